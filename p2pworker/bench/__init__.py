@@ -1,0 +1,1 @@
+"""Measurement code shared by ``benchmarks/`` scripts and the CLI.  Not tests."""

@@ -1,0 +1,525 @@
+"""Single-producer / single-consumer rings in POSIX shared memory.
+
+One ring carries messages one way between exactly two processes (the adapter
+inside vLLM and its worker use two: commands one way, events the other).
+Memory comes from ``posix_ipc.SharedMemory`` (``/dev/shm/<name>``); the wake-up
+"bells" are two FIFOs next to it (``/dev/shm/<name>.data.bell`` and
+``.space.bell``), so a sleeping side can wait on a file descriptor together
+with its ZMQ sockets.
+
+Byte layout (native-endian u64 words; each group with one writer sits on its
+own 64-byte cache line)::
+
+    byte  word  field          written by   meaning
+    ----  ----  -------------  -----------  ------------------------------------
+       0     0  MAGIC          creator      b"p2pwring" as u64
+       8     1  VERSION        creator      layout version (1)
+      16     2  NSLOTS         creator      number of slots, a power of two
+      24     3  SLOT_BYTES     creator      bytes per slot, length word included
+      64     8  HEAD           producer     messages published (monotonic)
+     128    16  TAIL           consumer     messages consumed (monotonic)
+     192    24  PROD_PID       producer     pid, 0 until a producer attached
+     200    25  PROD_START     producer     its start time (/proc/<pid>/stat)
+     208    26  PROD_STATE     producer     0 unattached, 1 attached, 2 closed
+     256    32  CONS_PID       consumer     \
+     264    33  CONS_START     consumer      } same, for the consumer
+     272    34  CONS_STATE     consumer     /
+     320    40  CONS_SLEEPING  both         1: consumer may sleep on the data bell
+     384    48  PROD_SLEEPING  both         1: producer may sleep on the space bell
+     512        slot 0 ... slot NSLOTS-1, SLOT_BYTES each:
+
+        slot k = seq % NSLOTS:   [ u64 length | payload (length bytes) | unused ]
+
+Head/tail protocol::
+
+    empty: HEAD == TAIL            full: HEAD - TAIL == NSLOTS
+    put:   wait for HEAD - TAIL < NSLOTS; write payload, then length, into slot
+           HEAD % NSLOTS; then store HEAD + 1            (publish)
+    get:   wait for TAIL < HEAD; read slot TAIL % NSLOTS;
+           then store TAIL + 1                           (release the slot)
+
+Memory ordering: HEAD and TAIL each have one writer and are stored with one
+aligned 8-byte store (``memoryview.cast("Q")``), so they are never torn.  On
+x86-64 (TSO) stores become visible in program order and loads are not
+reordered with older loads, so "payload, then HEAD" on one side and "HEAD,
+then payload" on the other need no fence.  On weaker machines ``_fence()`` is
+called around publish and release.
+
+Sleeping and waking (both directions are the same; shown for the consumer)::
+
+    consumer:  spin up to spin_s, os.sched_yield() between looks
+               CONS_SLEEPING = 1; fence; look again; if still empty:
+               poll(data bell, min(poll_slice_s, time left)); CONS_SLEEPING = 0
+    producer:  publish HEAD; fence; if CONS_SLEEPING: CONS_SLEEPING = 0 and
+               write one byte to the data bell
+
+The fence on both sides (store, then load: Dekker) means the two cannot miss
+each other.  The bell wait is sliced: every slice checks the peer's liveness
+(pid + start time, or its CLOSED state), so a dead peer is reported as
+``PeerDead`` within one slice, and no wait is ever unbounded by accident.
+A side that must never block (the adapter inside vLLM's scheduler) uses the
+``try_*`` calls only.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import platform
+import re
+import select
+import stat
+import threading
+import time
+from typing import Any, Callable
+
+import mmap
+import msgspec
+import posix_ipc
+
+from p2pworker.errors import MessageTooLarge, PeerDead, RingError
+from p2pworker.shm.liveness import process_alive, self_identity
+
+MAGIC = int.from_bytes(b"p2pwring", "little")
+VERSION = 1
+HEADER_BYTES = 512
+LEN_BYTES = 8
+
+W_MAGIC, W_VERSION, W_NSLOTS, W_SLOT_BYTES = 0, 1, 2, 3
+W_HEAD, W_TAIL = 8, 16
+W_PROD_PID, W_PROD_START, W_PROD_STATE = 24, 25, 26
+W_CONS_PID, W_CONS_START, W_CONS_STATE = 32, 33, 34
+W_CONS_SLEEPING, W_PROD_SLEEPING = 40, 48
+
+STATE_UNATTACHED, STATE_ATTACHED, STATE_CLOSED = 0, 1, 2
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier, from Python.
+
+    An uncontended lock round trip is a pair of atomic read-modify-writes in
+    libc (``lock cmpxchg`` on x86), which orders every earlier store before
+    every later load.  Costs ~0.2 us here.
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+class Role(enum.Enum):
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+
+
+def bell_paths(name: str) -> tuple[str, str]:
+    return f"{SHM_DIR}/{name}.data.bell", f"{SHM_DIR}/{name}.space.bell"
+
+
+def ring_files(name: str) -> list[str]:
+    """Every filesystem entry a ring called ``name`` owns (for sweeping)."""
+    return [f"{SHM_DIR}/{name}", *bell_paths(name)]
+
+
+def _open_bell(path: str, create: bool) -> int:
+    if create:
+        os.mkfifo(path, 0o600)
+    # O_RDWR on a FIFO never blocks in open() and keeps the pipe alive on Linux.
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RingError(f"{path} is not a FIFO")
+    return fd
+
+
+class Ring:
+    """One endpoint (producer or consumer) of a shared-memory SPSC ring.
+
+    Use :meth:`create` in the process that owns the ring (it unlinks the names
+    in :meth:`close`) and :meth:`attach` in the other.  ``msg_type`` (a msgspec
+    type, e.g. a tagged Struct union) makes :meth:`put`/:meth:`get` encode and
+    decode msgpack; the ``*_bytes`` calls move raw bytes.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        role: Role,
+        shm: posix_ipc.SharedMemory,
+        *,
+        creator: bool,
+        msg_type: Any = None,
+        spin_s: float = 200e-6,
+        poll_slice_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.name = name
+        self.role = role
+        self.creator = creator
+        self.spin_s = spin_s
+        self.poll_slice_s = poll_slice_s
+        self._clock = clock
+        self._closed = False
+        self._unlinked = False
+        self._mm = mmap.mmap(shm.fd, shm.size)
+        shm.close_fd()
+        self._buf = memoryview(self._mm)
+        self._w = self._buf.cast("Q")
+        w = self._w
+        magic, version = w[W_MAGIC], w[W_VERSION]
+        if magic != MAGIC or version != VERSION:
+            self._release_memory()
+            raise RingError(
+                f"/dev/shm/{name} is not a p2pworker ring of version {VERSION} "
+                f"(magic {magic:#x}, version {version})"
+            )
+        self.nslots = int(w[W_NSLOTS])
+        self.slot_bytes = int(w[W_SLOT_BYTES])
+        self.capacity = self.slot_bytes - LEN_BYTES
+        self._mask = self.nslots - 1
+        data_bell, space_bell = bell_paths(name)
+        self._data_fd = _open_bell(data_bell, create=creator)
+        try:
+            self._space_fd = _open_bell(space_bell, create=creator)
+        except BaseException:
+            os.close(self._data_fd)
+            raise
+        if role is Role.PRODUCER:
+            self._me = (W_PROD_PID, W_PROD_START, W_PROD_STATE)
+            self._peer = (W_CONS_PID, W_CONS_START, W_CONS_STATE)
+            self._my_sleep, self._peer_sleep = W_PROD_SLEEPING, W_CONS_SLEEPING
+            self._my_bell, self._peer_bell = self._space_fd, self._data_fd
+        else:
+            self._me = (W_CONS_PID, W_CONS_START, W_CONS_STATE)
+            self._peer = (W_PROD_PID, W_PROD_START, W_PROD_STATE)
+            self._my_sleep, self._peer_sleep = W_CONS_SLEEPING, W_PROD_SLEEPING
+            self._my_bell, self._peer_bell = self._data_fd, self._space_fd
+        self._poller = select.poll()
+        self._poller.register(self._my_bell, select.POLLIN)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(msg_type) if msg_type is not None else msgspec.msgpack.Decoder()
+        self._claim_role()
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def create(
+        cls, name: str, role: Role, *, nslots: int = 256, slot_bytes: int = 4096, **kw: Any
+    ) -> "Ring":
+        """Create the ring ``name`` (fails if it exists) and take ``role`` in it."""
+        if not _NAME_RE.match(name):
+            raise RingError(f"bad ring name {name!r}: use [A-Za-z0-9_.-], at most 200 chars")
+        if nslots < 2 or nslots & (nslots - 1):
+            raise RingError(f"nslots must be a power of two >= 2, got {nslots}")
+        if slot_bytes < 64 or slot_bytes % 64:
+            raise RingError(f"slot_bytes must be a multiple of 64 and >= 64, got {slot_bytes}")
+        size = HEADER_BYTES + nslots * slot_bytes
+        try:
+            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
+        except posix_ipc.ExistentialError as e:
+            raise RingError(f"ring {name!r} already exists in {SHM_DIR}") from e
+        try:
+            with mmap.mmap(shm.fd, size) as mm:
+                with memoryview(mm) as mv, mv[:HEADER_BYTES].cast("Q") as w:
+                    w[W_NSLOTS] = nslots
+                    w[W_SLOT_BYTES] = slot_bytes
+                    w[W_VERSION] = VERSION
+                    w[W_MAGIC] = MAGIC  # last: an attacher sees a complete header or none
+            return cls(name, role, shm, creator=True, **kw)
+        except BaseException:
+            shm.close_fd()
+            _unlink_all(name)
+            raise
+
+    @classmethod
+    def attach(cls, name: str, role: Role, **kw: Any) -> "Ring":
+        """Attach to the existing ring ``name`` and take ``role`` in it."""
+        if not _NAME_RE.match(name):
+            raise RingError(f"bad ring name {name!r}")
+        try:
+            shm = posix_ipc.SharedMemory("/" + name)
+        except posix_ipc.ExistentialError as e:
+            raise RingError(f"ring {name!r} does not exist in {SHM_DIR}") from e
+        if shm.size < HEADER_BYTES:
+            shm.close_fd()
+            raise RingError(f"ring {name!r} is too small to be a ring ({shm.size} bytes)")
+        return cls(name, role, shm, creator=False, **kw)
+
+    def _claim_role(self) -> None:
+        w = self._w
+        pid_i, start_i, state_i = self._me
+        if w[state_i] == STATE_ATTACHED and process_alive(int(w[pid_i]), int(w[start_i])):
+            holder = int(w[pid_i])
+            self._release_all()
+            raise RingError(f"{self.role.value} role of ring {self.name!r} is held by live pid {holder}")
+        pid, start = self_identity()
+        w[pid_i] = pid
+        w[start_i] = start
+        w[state_i] = STATE_ATTACHED
+
+    # ------------------------------------------------------------ liveness
+    @property
+    def peer_pid(self) -> int:
+        return int(self._w[self._peer[0]])
+
+    def peer_status(self) -> str:
+        """``pending`` (not attached yet), ``alive``, ``closed`` or ``dead``."""
+        w = self._w
+        pid_i, start_i, state_i = self._peer
+        state = w[state_i]
+        if state == STATE_UNATTACHED:
+            return "pending"
+        if state == STATE_CLOSED:
+            return "closed"
+        return "alive" if process_alive(int(w[pid_i]), int(w[start_i])) else "dead"
+
+    def peer_alive(self) -> bool:
+        """True unless the peer attached and then closed, exited or crashed."""
+        return self.peer_status() in ("pending", "alive")
+
+    def check_peer(self) -> None:
+        status = self.peer_status()
+        if status == "closed":
+            raise PeerDead(self.name, self._peer_role, self.peer_pid, "it closed the ring")
+        if status == "dead":
+            raise PeerDead(self.name, self._peer_role, self.peer_pid, "the process exited or was killed")
+
+    @property
+    def _peer_role(self) -> str:
+        return "consumer" if self.role is Role.PRODUCER else "producer"
+
+    # ------------------------------------------------------------ producer side
+    def try_put_bytes(self, data: bytes | bytearray | memoryview) -> bool:
+        """Publish ``data`` if a slot is free; never blocks.  False when full."""
+        if self._closed:
+            raise RingError(f"ring {self.name!r} is closed")
+        n = len(data)
+        if n > self.capacity:
+            raise MessageTooLarge(n, self.capacity, self.name)
+        w = self._w
+        head = w[W_HEAD]
+        if head - w[W_TAIL] >= self.nslots:
+            return False
+        off = HEADER_BYTES + (head & self._mask) * self.slot_bytes
+        self._buf[off + LEN_BYTES : off + LEN_BYTES + n] = data
+        w[off >> 3] = n
+        if not _TSO:
+            _fence()
+        w[W_HEAD] = head + 1
+        self._ring_peer_bell()
+        return True
+
+    def put_bytes(self, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
+        """Publish ``data``, waiting for a free slot up to ``timeout_s``.
+
+        Raises ``TimeoutError`` when the ring stays full, ``PeerDead`` when the
+        consumer is gone, ``MessageTooLarge`` when ``data`` exceeds a slot.
+        """
+        if self.try_put_bytes(data):
+            return
+        self._wait(self._has_space, timeout_s, "space in ring")
+        if not self.try_put_bytes(data):  # pragma: no cover - single producer
+            raise RingError(f"ring {self.name!r}: slot vanished under a single producer")
+
+    def try_put(self, msg: Any) -> bool:
+        return self.try_put_bytes(self._enc.encode(msg))
+
+    def put(self, msg: Any, timeout_s: float | None = None) -> None:
+        self.put_bytes(self._enc.encode(msg), timeout_s)
+
+    def _has_space(self) -> bool:
+        w = self._w
+        return w[W_HEAD] - w[W_TAIL] < self.nslots
+
+    # ------------------------------------------------------------ consumer side
+    def _take(self, decode: bool) -> Any:
+        if self._closed:
+            raise RingError(f"ring {self.name!r} is closed")
+        w = self._w
+        tail = w[W_TAIL]
+        if tail >= w[W_HEAD]:
+            return None
+        if not _TSO:
+            _fence()
+        off = HEADER_BYTES + (tail & self._mask) * self.slot_bytes
+        n = w[off >> 3]
+        if n > self.capacity:
+            raise RingError(f"ring {self.name!r} is corrupt: slot length {n} > capacity {self.capacity}")
+        payload = self._buf[off + LEN_BYTES : off + LEN_BYTES + n]
+        try:
+            out = self._dec.decode(payload) if decode else bytes(payload)
+        finally:
+            payload.release()
+            if not _TSO:
+                _fence()
+            w[W_TAIL] = tail + 1  # a bad message is consumed, not re-read forever
+            self._ring_peer_bell()
+        return out
+
+    def try_get_bytes(self) -> bytes | None:
+        """The next message's bytes, or None when the ring is empty; never blocks."""
+        return self._take(decode=False)
+
+    def try_get(self) -> Any:
+        """The next decoded message, or None when the ring is empty; never blocks.
+
+        A message that does not decode as ``msg_type`` is consumed and raises
+        ``msgspec.ValidationError``/``DecodeError``.
+        """
+        return self._take(decode=True)
+
+    def get_bytes(self, timeout_s: float | None = None) -> bytes:
+        out = self._take(decode=False)
+        if out is None:
+            self._wait(self._has_data, timeout_s, "a message")
+            out = self._take(decode=False)
+        return out
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """The next decoded message, waiting up to ``timeout_s`` (None: until the peer dies)."""
+        out = self._take(decode=True)
+        if out is None:
+            self._wait(self._has_data, timeout_s, "a message")
+            out = self._take(decode=True)
+        return out
+
+    def _has_data(self) -> bool:
+        w = self._w
+        return w[W_TAIL] < w[W_HEAD]
+
+    def depth(self) -> int:
+        """Messages published and not yet consumed."""
+        w = self._w
+        return int(w[W_HEAD] - w[W_TAIL])
+
+    # ------------------------------------------------------------ waiting
+    def _ring_peer_bell(self) -> None:
+        _fence()
+        w = self._w
+        if w[self._peer_sleep]:
+            w[self._peer_sleep] = 0
+            try:
+                os.write(self._peer_bell, b"\x01")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
+
+    def fileno(self) -> int:
+        """The bell this endpoint sleeps on: readable when the peer rang it.
+
+        For external poll loops: call :meth:`arm` before polling this fd and
+        :meth:`disarm` after; ``arm()`` returning True means "ready now, do not
+        sleep".
+        """
+        return self._my_bell
+
+    def arm(self) -> bool:
+        """Announce that this side is about to sleep.  True if it should not."""
+        ready = self._has_data if self.role is Role.CONSUMER else self._has_space
+        self._w[self._my_sleep] = 1
+        _fence()
+        if ready():
+            self._w[self._my_sleep] = 0
+            return True
+        return False
+
+    def disarm(self) -> None:
+        self._w[self._my_sleep] = 0
+        try:
+            os.read(self._my_bell, 4096)
+        except BlockingIOError:
+            pass
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float | None, what: str) -> None:
+        if self._closed:
+            raise RingError(f"ring {self.name!r} is closed")
+        clock = self._clock
+        now = clock()
+        deadline = None if timeout_s is None else now + timeout_s
+        spin_end = now + self.spin_s
+        yield_ = os.sched_yield
+        while True:  # bounded spin: a hot peer answers within microseconds
+            if ready():
+                return
+            now = clock()
+            if now >= spin_end or (deadline is not None and now >= deadline):
+                break
+            yield_()
+        while True:  # then sleep on the bell, one slice at a time
+            if self.arm():
+                return
+            try:
+                self.check_peer()
+                slice_s = self.poll_slice_s
+                if deadline is not None:
+                    left = deadline - clock()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"no {what} on ring {self.name!r} ({self.role.value}) within {timeout_s} s"
+                        )
+                    slice_s = min(slice_s, left)
+                self._poller.poll(max(1, int(slice_s * 1000 + 0.999)))
+            finally:
+                self.disarm()
+
+    # ------------------------------------------------------------ teardown
+    def unlink(self) -> None:
+        """Remove the ring's names from /dev/shm; mappings stay valid.
+
+        Safe once both sides attached: after it, a crash of either side leaves
+        nothing behind.  Idempotent.
+        """
+        if not self._unlinked:
+            self._unlinked = True
+            _unlink_all(self.name)
+
+    def close(self) -> None:
+        """Mark this side closed, wake the peer, unmap.  The creator also unlinks.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        w = self._w
+        w[self._me[2]] = STATE_CLOSED
+        _fence()
+        try:
+            os.write(self._peer_bell, b"\x01")  # a sleeping peer sees CLOSED now
+        except (BlockingIOError, OSError):
+            pass
+        self._release_all()
+        if self.creator:
+            self.unlink()
+
+    def _release_memory(self) -> None:
+        self._w.release()
+        self._buf.release()
+        self._mm.close()
+
+    def _release_all(self) -> None:
+        self._release_memory()
+        for fd in (getattr(self, "_data_fd", -1), getattr(self, "_space_fd", -1)):
+            if fd >= 0:
+                os.close(fd)
+        self._data_fd = self._space_fd = -1
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Ring({self.name!r}, {self.role.value}, nslots={self.nslots}, slot_bytes={self.slot_bytes})"
+
+
+def _unlink_all(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory("/" + name)
+    except posix_ipc.ExistentialError:
+        pass
+    for path in bell_paths(name):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,59 @@
+"""Thin ctypes wrappers over mmap(2)/munmap(2) for fixed-address mappings.
+
+Python's ``mmap`` module cannot place a mapping at a chosen address, which is
+what mapping several segment files back to back into ONE contiguous virtual
+range needs: reserve the whole range with an inaccessible anonymous mapping,
+then map each file over its part with ``MAP_FIXED``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+PAGE_BYTES = mmap.PAGESIZE
+MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000
+PROT_NONE = 0
+PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+
+
+def _check(addr: int | None, what: str) -> int:
+    if addr is None or addr == MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return addr
+
+
+def reserve(nbytes: int) -> int:
+    """Reserve ``nbytes`` of address space (no memory, no access); returns its address."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+    return _check(_libc.mmap(None, nbytes, PROT_NONE, flags, -1, 0), f"reserve {nbytes} bytes")
+
+
+def map_file_fixed(addr: int, nbytes: int, fd: int, file_offset: int) -> None:
+    """Map ``nbytes`` of ``fd`` from ``file_offset`` shared, read-write, exactly at ``addr``."""
+    got = _check(
+        _libc.mmap(addr, nbytes, PROT_RW, mmap.MAP_SHARED | MAP_FIXED, fd, file_offset),
+        f"map {nbytes} bytes of fd {fd} at {addr:#x}",
+    )
+    if got != addr:  # pragma: no cover - MAP_FIXED either succeeds at addr or fails
+        raise OSError(f"mmap placed the segment at {got:#x}, not {addr:#x}")
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    if _libc.munmap(addr, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap {addr:#x}+{nbytes}: {os.strerror(err)}")
+
+
+def round_up(nbytes: int, align: int = PAGE_BYTES) -> int:
+    return (nbytes + align - 1) // align * align

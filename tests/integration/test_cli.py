@@ -1,0 +1,38 @@
+"""The console script, run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).with_name("p2pworker")
+
+
+def _run(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def test_bench_ring_prints_one_json_line_per_contender():
+    res = _run("bench-ring", "-n", "2000", "--warmup", "200", "--wake-n", "20")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["contender"] for r in rows] == ["p2pworker_ring", "p2pworker_ring_wake", "mp_queue", "zmq_ipc_pair"]
+    for r in rows:
+        assert 0 < r["p50_us"] <= r["p99_us"], r
+    by = {r["contender"]: r for r in rows}
+    assert by["p2pworker_ring"]["p50_us"] < by["zmq_ipc_pair"]["p50_us"]
+
+
+def test_sweep_removes_only_its_prefix(shm_prefix):
+    mine = f"/dev/shm/{shm_prefix}a"
+    Path(mine).write_bytes(b"x")
+    res = _run("sweep", "--dry-run", shm_prefix)
+    assert res.returncode == 0 and res.stdout.split() == [mine]
+    assert os.path.exists(mine)
+    res = _run("sweep", shm_prefix)
+    assert res.returncode == 0 and res.stdout.split() == [mine]
+    assert not os.path.exists(mine)
+    assert _run("sweep", "").returncode != 0  # an empty prefix would match everything

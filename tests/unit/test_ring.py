@@ -1,0 +1,187 @@
+"""Ring behaviour inside one process: both endpoints here, so every edge is deterministic."""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+
+import msgspec
+import posix_ipc
+import pytest
+
+from p2pworker.errors import MessageTooLarge, PeerDead, RingError
+from p2pworker.shm.ring import HEADER_BYTES, LEN_BYTES, Ring, Role, ring_files
+
+
+class Cmd(msgspec.Struct, tag="cmd"):
+    seq: int
+    data: bytes = b""
+
+
+class Other(msgspec.Struct, tag="other"):
+    x: int
+
+
+@pytest.fixture
+def pair(shm_prefix):
+    prod = Ring.create(f"{shm_prefix}r", Role.PRODUCER, nslots=8, slot_bytes=128, msg_type=Cmd)
+    cons = Ring.attach(f"{shm_prefix}r", Role.CONSUMER, msg_type=Cmd)
+    yield prod, cons
+    cons.close()
+    prod.close()
+
+
+def test_order_across_many_wraps(pair):
+    prod, cons = pair
+    for i in range(1000):
+        prod.put(Cmd(i), timeout_s=1)
+        if i % 3 == 2:
+            for j in range(i - 2, i + 1):
+                assert cons.get(timeout_s=1).seq == j
+    assert cons.depth() == 1
+    assert cons.get(timeout_s=1).seq == 999
+    assert cons.try_get() is None
+
+
+def test_full_ring_backpressure(pair):
+    prod, cons = pair
+    for i in range(8):
+        assert prod.try_put(Cmd(i))
+    assert prod.depth() == 8
+    assert not prod.try_put(Cmd(8))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no space"):
+        prod.put(Cmd(8), timeout_s=0.1)
+    assert 0.09 <= time.monotonic() - t0 < 1.0
+    assert cons.get().seq == 0
+    prod.put(Cmd(8), timeout_s=0.1)
+    assert [cons.get().seq for _ in range(8)] == list(range(1, 9))
+
+
+def test_timeout_on_empty(pair):
+    _, cons = pair
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no a message|no message|a message"):
+        cons.get(timeout_s=0.05)
+    assert 0.045 <= time.monotonic() - t0 < 1.0
+    with pytest.raises(TimeoutError):
+        cons.get(timeout_s=0)
+
+
+def test_message_larger_than_slot_is_refused_with_sizes(pair):
+    prod, cons = pair
+    cap = 128 - LEN_BYTES
+    assert prod.capacity == cap
+    prod.put_bytes(b"x" * cap)  # exactly one slot fits
+    assert cons.get_bytes() == b"x" * cap
+    with pytest.raises(MessageTooLarge) as ei:
+        prod.put_bytes(b"x" * (cap + 1))
+    assert ei.value.nbytes == cap + 1 and ei.value.capacity == cap
+    assert str(cap + 1) in str(ei.value) and str(cap) in str(ei.value)
+    assert prod.depth() == 0  # nothing half-published
+
+
+def test_undecodable_message_is_consumed_not_stuck(pair):
+    prod, cons = pair
+    prod.put(Other(1))
+    prod.put(Cmd(5))
+    with pytest.raises(msgspec.ValidationError):
+        cons.get()
+    assert cons.get().seq == 5
+
+
+def test_peer_close_drains_then_reports_peer_dead(pair):
+    prod, cons = pair
+    prod.put(Cmd(1))
+    prod.close()
+    assert cons.get(timeout_s=1).seq == 1  # what was published is still delivered
+    assert cons.peer_status() == "closed"
+    with pytest.raises(PeerDead, match="closed"):
+        cons.get(timeout_s=5)
+
+
+def test_consumer_close_wakes_a_blocked_producer(pair):
+    prod, cons = pair
+    for i in range(8):
+        prod.put(Cmd(i))
+    cons.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerDead):
+        prod.put(Cmd(9), timeout_s=5)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_role_held_by_live_process_is_refused(pair, shm_prefix):
+    with pytest.raises(RingError, match="held by live pid"):
+        Ring.attach(f"{shm_prefix}r", Role.CONSUMER)
+
+
+def test_create_existing_and_attach_missing(pair, shm_prefix):
+    with pytest.raises(RingError, match="already exists"):
+        Ring.create(f"{shm_prefix}r", Role.PRODUCER)
+    with pytest.raises(RingError, match="does not exist"):
+        Ring.attach(f"{shm_prefix}nope", Role.CONSUMER)
+    with pytest.raises(RingError, match="bad ring name"):
+        Ring.create("a/b", Role.PRODUCER)
+    with pytest.raises(RingError, match="power of two"):
+        Ring.create(f"{shm_prefix}x", Role.PRODUCER, nslots=6)
+
+
+def test_attach_to_something_that_is_not_a_ring(shm_prefix):
+    shm = posix_ipc.SharedMemory(f"/{shm_prefix}junk", posix_ipc.O_CREX, size=HEADER_BYTES + 4096)
+    shm.close_fd()
+    os.mkfifo(f"/dev/shm/{shm_prefix}junk.data.bell")
+    os.mkfifo(f"/dev/shm/{shm_prefix}junk.space.bell")
+    with pytest.raises(RingError, match="not a p2pworker ring"):
+        Ring.attach(f"{shm_prefix}junk", Role.CONSUMER)
+    for path in ring_files(f"{shm_prefix}junk"):
+        os.unlink(path)
+
+
+def test_unlink_after_attach_leaves_nothing_and_keeps_working(pair, shm_prefix):
+    prod, cons = pair
+    prod.unlink()
+    assert not any(os.path.exists(p) for p in ring_files(f"{shm_prefix}r"))
+    prod.put(Cmd(3))
+    assert cons.get(timeout_s=1).seq == 3
+
+
+def test_creator_close_unlinks_and_close_is_idempotent(shm_prefix):
+    name = f"{shm_prefix}c"
+    ring = Ring.create(name, Role.CONSUMER)
+    assert all(os.path.exists(p) for p in ring_files(name))
+    ring.close()
+    ring.close()
+    assert not any(os.path.exists(p) for p in ring_files(name))
+    with pytest.raises(RingError, match="closed"):
+        ring.get(timeout_s=0.1)
+
+
+def test_external_poll_loop_wakes_on_put(pair):
+    prod, cons = pair
+    poller = select.poll()
+    poller.register(cons.fileno(), select.POLLIN)
+    assert not cons.arm()  # empty: fine to sleep
+    prod.put(Cmd(1))
+    assert poller.poll(1000), "the bell did not ring"
+    cons.disarm()
+    assert cons.try_get().seq == 1
+    prod.put(Cmd(2))
+    assert cons.arm()  # data already there: do not sleep
+    cons.disarm()
+
+
+def test_blocked_producer_is_woken_by_a_get(pair):
+    """A producer asleep on a full ring wakes when the consumer frees a slot (same process, via threads)."""
+    import threading
+
+    prod, cons = pair
+    for i in range(8):
+        prod.put(Cmd(i))
+    t = threading.Timer(0.2, cons.get)
+    t.start()
+    t0 = time.monotonic()
+    prod.put(Cmd(8), timeout_s=5)
+    assert 0.15 < time.monotonic() - t0 < 1.0
+    t.join()
