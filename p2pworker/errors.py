@@ -40,3 +40,40 @@ class PeerDead(RingError, ConnectionError):
         self.role = role
         self.pid = pid
         self.why = why
+
+
+class TransferFailed(P2PError):
+    """A data-plane transfer could not be submitted or did not complete."""
+
+    def __init__(self, message: str, transfer_id: int | None = None):
+        super().__init__(message)
+        self.transfer_id = transfer_id
+
+
+class DataPlaneUnavailable(P2PError):
+    """The configured data-plane backend cannot run here (library missing, backend not created)."""
+
+
+class FingerprintMismatch(P2PError):
+    """Two peers disagree on fields that must match (geometry, model/layout, protocol)."""
+
+    def __init__(self, diffs: dict[str, tuple[object, object]]):
+        parts = ", ".join(f"{k}: local={a!r} remote={b!r}" for k, (a, b) in sorted(diffs.items()))
+        super().__init__(f"config fingerprint mismatch ({parts})")
+        self.diffs = diffs
+
+
+class AuthError(P2PError):
+    """A peer failed to prove it holds the shared secret."""
+
+
+class PeerUnreachable(P2PError):
+    """A peer address cannot be resolved or did not answer within the deadline."""
+
+
+class PeerLost(P2PError):
+    """A control link is down or unknown; what was sent on it is not delivered."""
+
+
+class Backpressure(P2PError):
+    """A bounded queue is full (ZMQ high-water mark); the caller must retry later or fail the work."""

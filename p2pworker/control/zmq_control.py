@@ -1,0 +1,570 @@
+"""ZMQ control transport: one ROUTER bound per worker, one DEALER per outbound peer.
+
+Wire format (multipart; the ROUTER sees the DEALER's routing id in front)::
+
+    [kind(1 byte), body]
+
+    H  HELLO      initiator -> acceptor   msgpack [version, node_id, client_nonce]
+    C  CHALLENGE  acceptor -> initiator   msgpack [node_id, server_nonce, server_proof]
+    U  AUTH       initiator -> acceptor   msgpack [client_proof]
+    K  WELCOME    acceptor -> initiator   (empty)       link is UP on both sides
+    X  REJECT     either                  reason        permanent: bad proof / version
+    R  RESET      acceptor -> initiator   (empty)       "I do not know you": re-handshake
+    P  PING       either                  (empty)       heartbeat
+    D  DATA       either                  payload       only on UP links
+    B  BYE        either                  (empty)
+
+Authentication is mutual HMAC-SHA256 challenge-response over a shared secret:
+``proof = HMAC(secret, role | client_nonce | server_nonce | client_id | server_id)``.
+The secret never crosses the wire, a replayed proof is useless against a new
+nonce, and nothing but the handshake is accepted before the link is UP, so an
+unauthenticated peer never sees NIXL metadata (which the session layer only
+sends as DATA).
+
+Link states (outbound)::
+
+    CONNECTING --CHALLENGE ok--> AUTHING --WELCOME--> UP
+        |  deadline                 | deadline          | silent > interval x liveness, RESET, BYE
+        v                           v                   v
+       DOWN (reconnect after bounded exponential backoff, new DEALER, new routing id)
+    any --REJECT / bad server proof--> FAILED (permanent until disconnect)
+
+Inbound links exist per routing id: CHALLENGED --AUTH ok--> UP, and vanish on
+silence, BYE or a failed proof.  Any inbound traffic counts as alive; each
+side pings when it has sent nothing for one interval.  ``LinkDown`` is
+reported once per up-period (once in all for a link that never came up).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+import zmq
+
+from p2pworker.control.base import (
+    SECRET_ENV,
+    ControlTransport,
+    LinkDown,
+    LinkUp,
+    Received,
+    default_port,
+)
+from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
+
+log = logging.getLogger(__name__)
+
+CONTROL_VERSION = 1
+
+K_HELLO, K_CHALLENGE, K_AUTH, K_WELCOME = b"H", b"C", b"U", b"K"
+K_REJECT, K_RESET, K_PING, K_DATA, K_BYE = b"X", b"R", b"P", b"D", b"B"
+
+_EMPTY: tuple = ()
+
+
+class _Hello(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    version: int
+    node_id: str
+    nonce: bytes
+
+
+class _Challenge(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    node_id: str
+    nonce: bytes
+    proof: bytes
+
+
+class _Auth(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    proof: bytes
+
+
+_enc = msgspec.msgpack.Encoder()
+_hello_dec = msgspec.msgpack.Decoder(_Hello)
+_challenge_dec = msgspec.msgpack.Decoder(_Challenge)
+_auth_dec = msgspec.msgpack.Decoder(_Auth)
+
+
+@dataclass
+class ControlConfig:
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: VLLM_P2P_SIDE_CHANNEL_PORT (5710) + dp_index; 0: any free port
+    dp_index: int = 0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_liveness: int = 3
+    reconnect_min_s: float = 0.1
+    reconnect_max_s: float = 5.0
+    secret: str | bytes | None = None  # None: $P2PWORKER_SECRET
+    auth: bool = True  # False only on purpose: logs a warning
+    hwm: int = 1000  # per-socket queue bound, messages
+    max_frame_bytes: int = 4 << 20  # larger frames make ZMQ drop the sender's connection
+    max_pending_auth: int = 256  # inbound handshakes in progress at once
+    max_batch: int = 1000  # frames taken per socket per poll
+
+    @property
+    def deadline_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_liveness
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    AUTHING = "authing"
+    CHALLENGED = "challenged"
+    UP = "up"
+    DOWN = "down"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Link:
+    link_id: str
+    outbound: bool
+    address: str
+    state: LinkState
+    node_id: str = ""
+    sock: zmq.Socket | None = None
+    ident: bytes = b""
+    nonce: bytes = b""
+    peer_nonce: bytes = b""
+    last_recv: float = 0.0
+    last_send: float = 0.0
+    deadline: float = 0.0
+    queued: deque = field(default_factory=deque)
+    backoff_s: float = 0.0
+    next_attempt: float = 0.0
+    incarnation: int = 0
+    reported_down: bool = False
+    reason: str = ""
+
+
+def _normalize(address: str) -> tuple[str, str, int]:
+    addr = address[len("tcp://") :] if address.startswith("tcp://") else address
+    host, sep, port_s = addr.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise PeerUnreachable(f"bad control address {address!r}: expected host:port")
+    host = host.strip("[]")
+    port = int(port_s)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise PeerUnreachable(f"cannot resolve control host {host!r} of {address!r}: {e}") from e
+    return f"tcp://{host}:{port}", host, port
+
+
+class ZmqControl(ControlTransport):
+    def __init__(
+        self,
+        config: ControlConfig | None = None,
+        *,
+        node_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = cfg = config or ControlConfig()
+        self._clock = clock
+        self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        secret = cfg.secret if cfg.secret is not None else os.environ.get(SECRET_ENV)
+        if cfg.auth:
+            if not secret:
+                raise AuthError(
+                    f"control-plane authentication is on but no shared secret is set: set control.secret "
+                    f"or ${SECRET_ENV}, or turn authentication off explicitly (control.auth: false)"
+                )
+            self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+        else:
+            log.warning("control-plane authentication is DISABLED: any process that reaches %s can talk to us", cfg.host)
+            self._secret = b""
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        r = self._router
+        r.setsockopt(zmq.LINGER, 0)
+        r.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        r.setsockopt(zmq.SNDHWM, cfg.hwm)
+        r.setsockopt(zmq.RCVHWM, cfg.hwm)
+        r.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+        port = default_port(cfg.dp_index) if cfg.port is None else (cfg.port + cfg.dp_index if cfg.port else 0)
+        try:
+            r.bind(f"tcp://{cfg.host}:{port}")
+        except zmq.ZMQError as e:
+            r.close(linger=0)
+            self._ctx.term()
+            raise P2PError(f"cannot bind the control socket on {cfg.host}:{port}: {e}") from e
+        self.address = r.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()
+        self._poller.register(r, zmq.POLLIN)
+        self._links: dict[str, Link] = {}
+        self._inbound: dict[bytes, Link] = {}
+        self._events: list = []
+        self._seq = 0
+        self._tick_s = min(0.25, cfg.heartbeat_interval_s / 4)
+        self._next_tick = clock() + self._tick_s
+        self._closed = False
+        self.counters = {
+            "frames_in": 0,
+            "frames_out": 0,
+            "unauthenticated_frames": 0,
+            "malformed_frames": 0,
+            "rejected_handshakes": 0,
+            "links_down": 0,
+        }
+
+    # ------------------------------------------------------------ auth
+    def _proof(self, role: bytes, cn: bytes, sn: bytes, client: str, server: str) -> bytes:
+        if not self.config.auth:
+            return b""
+        msg = b"p2pw-ctl-v1|" + role + b"|" + cn + sn + client.encode() + b"|" + server.encode()
+        return hmac.new(self._secret, msg, hashlib.sha256).digest()
+
+    # ------------------------------------------------------------ public API
+    def connect(self, address: str) -> str:
+        self._check_open()
+        endpoint, _, _ = _normalize(address)
+        self._seq += 1
+        link = Link(f"out-{self._seq}", True, endpoint, LinkState.CONNECTING, backoff_s=self.config.reconnect_min_s)
+        self._links[link.link_id] = link
+        self._open(link)
+        return link.link_id
+
+    def send(self, link_id: str, payload: bytes) -> None:
+        link = self._links.get(link_id)
+        if link is None:
+            raise PeerLost(f"unknown control link {link_id!r}")
+        if len(payload) > self.config.max_frame_bytes - 64:
+            raise P2PError(
+                f"control payload of {len(payload)} bytes exceeds max_frame_bytes={self.config.max_frame_bytes} "
+                f"(peers drop the connection of a sender of larger frames)"
+            )
+        if link.state is LinkState.UP:
+            self._send(link, K_DATA, payload, data=True)
+        elif link.outbound and link.state in (LinkState.CONNECTING, LinkState.AUTHING):
+            if len(link.queued) >= self.config.hwm:
+                raise Backpressure(f"control link {link_id} to {link.address}: {len(link.queued)} messages queued")
+            link.queued.append(payload)
+        else:
+            raise PeerLost(f"control link {link_id} to {link.address or link.node_id} is {link.state.value}: {link.reason}")
+
+    def disconnect(self, link_id: str) -> None:
+        link = self._links.pop(link_id, None)
+        if link is None:
+            return
+        if link.state is LinkState.UP:
+            try:
+                self._send(link, K_BYE, b"")
+            except P2PError:
+                pass
+        self._drop(link)
+
+    def link(self, link_id: str) -> Link | None:
+        return self._links.get(link_id)
+
+    def links(self) -> list[Link]:
+        return list(self._links.values())
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Every socket to watch for POLLIN (for an outer poll loop)."""
+        return [self._router] + [lk.sock for lk in self._links.values() if lk.sock is not None]
+
+    def next_deadline(self) -> float:
+        """Clock time at which :meth:`poll` has timer work (heartbeats, deadlines, reconnects)."""
+        return self._next_tick
+
+    def poll(self, timeout_ms: int = 0):
+        if self._closed:
+            return _EMPTY
+        clock = self._clock
+        if timeout_ms > 0:
+            wait_ms = max(0, min(timeout_ms, int((self._next_tick - clock()) * 1000) + 1))
+            self._poller.poll(wait_ms)
+        elif clock() < self._next_tick and not self._readable():
+            return _EMPTY
+        self._drain_router()
+        for link in list(self._links.values()):
+            if link.sock is not None:
+                self._drain_dealer(link)
+        if clock() >= self._next_tick:
+            self._tick()
+        if not self._events:
+            return _EMPTY
+        out, self._events = self._events, []
+        return out
+
+    def _readable(self) -> bool:
+        if self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return True
+        for link in self._links.values():
+            if link.sock is not None and link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return True
+        return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for link in list(self._links.values()):
+            self.disconnect(link.link_id)
+        self._closed = True
+        self._router.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "ZmqControl":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise P2PError("the control transport is closed")
+
+    # ------------------------------------------------------------ sending
+    def _send(self, link: Link, kind: bytes, body: bytes, data: bool = False) -> None:
+        try:
+            if link.outbound:
+                link.sock.send_multipart([kind, body], flags=zmq.NOBLOCK)
+            else:
+                self._router.send_multipart([link.ident, kind, body], flags=zmq.NOBLOCK)
+        except zmq.Again as e:
+            raise Backpressure(f"control link {link.link_id} to {link.node_id or link.address}: queue full") from e
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                self._down(link, "peer connection gone", retry=link.outbound)
+                raise PeerLost(f"control link {link.link_id}: peer connection gone") from e
+            raise
+        link.last_send = self._clock()
+        self.counters["frames_out"] += 1
+
+    def _send_quiet(self, link: Link, kind: bytes, body: bytes) -> None:
+        try:
+            self._send(link, kind, body)
+        except P2PError:
+            pass
+
+    def _router_reply(self, ident: bytes, kind: bytes, body: bytes) -> None:
+        try:
+            self._router.send_multipart([ident, kind, body], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # ------------------------------------------------------------ outbound links
+    def _open(self, link: Link) -> None:
+        link.incarnation += 1
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.node_id}#{link.link_id}#{link.incarnation}".encode())
+        sock.connect(link.address)
+        link.sock = sock
+        self._poller.register(sock, zmq.POLLIN)
+        link.nonce = secrets.token_bytes(16)
+        link.state = LinkState.CONNECTING
+        link.deadline = self._clock() + self.config.deadline_s
+        self._send_quiet(link, K_HELLO, _enc.encode(_Hello(CONTROL_VERSION, self.node_id, link.nonce)))
+
+    def _close_sock(self, link: Link) -> None:
+        if link.sock is not None:
+            self._poller.unregister(link.sock)
+            link.sock.close(linger=0)
+            link.sock = None
+
+    def _drop(self, link: Link) -> None:
+        self._close_sock(link)
+        if not link.outbound:
+            self._inbound.pop(link.ident, None)
+
+    def _down(self, link: Link, reason: str, retry: bool) -> None:
+        """A link stopped working: report once, then reconnect (outbound) or forget (inbound)."""
+        was_up = link.state is LinkState.UP
+        link.reason = reason
+        link.queued.clear()
+        if link.outbound:
+            self._close_sock(link)
+            if retry:
+                link.state = LinkState.DOWN
+                link.next_attempt = self._clock() + link.backoff_s
+                link.backoff_s = min(link.backoff_s * 2, self.config.reconnect_max_s)
+            else:
+                link.state = LinkState.FAILED
+            report = not link.reported_down
+        else:
+            link.state = LinkState.DOWN
+            self._links.pop(link.link_id, None)
+            self._drop(link)
+            report = was_up
+        if report:
+            link.reported_down = True
+            self.counters["links_down"] += 1
+            log.info("control link %s (%s %s) down: %s", link.link_id, link.node_id, link.address, reason)
+            self._events.append(LinkDown(link.link_id, link.node_id, reason))
+
+    def _up(self, link: Link) -> None:
+        link.state = LinkState.UP
+        link.reported_down = False
+        link.reason = ""
+        link.backoff_s = self.config.reconnect_min_s
+        link.last_recv = self._clock()
+        self._events.append(LinkUp(link.link_id, link.node_id, link.outbound, link.address))
+        while link.queued and link.state is LinkState.UP:
+            self._send_quiet(link, K_DATA, link.queued.popleft())
+
+    def _drain_dealer(self, link: Link) -> None:
+        for _ in range(self.config.max_batch):
+            if link.sock is None:
+                return
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.counters["frames_in"] += 1
+            if len(frames) != 2:
+                self.counters["malformed_frames"] += 1
+                continue
+            kind, body = frames
+            if link.state is LinkState.UP:
+                link.last_recv = self._clock()
+            if kind == K_DATA and link.state is LinkState.UP:
+                self._events.append(Received(link.link_id, body))
+            elif kind == K_PING:
+                pass
+            elif kind == K_CHALLENGE and link.state is LinkState.CONNECTING:
+                self._on_challenge(link, body)
+            elif kind == K_WELCOME and link.state is LinkState.AUTHING:
+                self._up(link)
+            elif kind == K_REJECT:
+                self.counters["rejected_handshakes"] += 1
+                self._down(link, f"rejected by {link.address}: {body.decode(errors='replace')}", retry=False)
+            elif kind == K_RESET:
+                self._down(link, f"{link.address} no longer knows this link (it restarted?)", retry=True)
+            elif kind == K_BYE:
+                self._down(link, "peer closed the link", retry=True)
+            else:
+                self.counters["malformed_frames"] += 1
+
+    def _on_challenge(self, link: Link, body: bytes) -> None:
+        try:
+            ch = _challenge_dec.decode(body)
+        except msgspec.MsgspecError:
+            self.counters["malformed_frames"] += 1
+            return
+        expect = self._proof(b"server", link.nonce, ch.nonce, self.node_id, ch.node_id)
+        if not hmac.compare_digest(expect, ch.proof):
+            self.counters["rejected_handshakes"] += 1
+            self._down(link, f"{link.address} failed to prove the shared secret", retry=False)
+            return
+        link.node_id = ch.node_id
+        link.peer_nonce = ch.nonce
+        link.state = LinkState.AUTHING
+        proof = self._proof(b"client", link.nonce, ch.nonce, self.node_id, ch.node_id)
+        self._send_quiet(link, K_AUTH, _enc.encode(_Auth(proof)))
+
+    # ------------------------------------------------------------ inbound links
+    def _drain_router(self) -> None:
+        for _ in range(self.config.max_batch):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.counters["frames_in"] += 1
+            if len(frames) != 3:
+                self.counters["malformed_frames"] += 1
+                continue
+            ident, kind, body = frames
+            link = self._inbound.get(ident)
+            if link is not None and link.state is LinkState.UP:
+                link.last_recv = self._clock()
+                if kind == K_DATA:
+                    self._events.append(Received(link.link_id, body))
+                elif kind == K_PING:
+                    pass
+                elif kind == K_BYE:
+                    self._down(link, "peer closed the link", retry=False)
+                else:
+                    self.counters["malformed_frames"] += 1
+            elif kind == K_HELLO:
+                self._on_hello(ident, body, link)
+            elif kind == K_AUTH and link is not None and link.state is LinkState.CHALLENGED:
+                self._on_auth(link, body)
+            else:
+                self.counters["unauthenticated_frames"] += 1
+                self._router_reply(ident, K_RESET, b"")
+
+    def _on_hello(self, ident: bytes, body: bytes, old: Link | None) -> None:
+        try:
+            hello = _hello_dec.decode(body)
+        except msgspec.MsgspecError:
+            self.counters["malformed_frames"] += 1
+            self._router_reply(ident, K_REJECT, b"malformed hello")
+            return
+        if hello.version != CONTROL_VERSION:
+            self.counters["rejected_handshakes"] += 1
+            self._router_reply(
+                ident, K_REJECT, f"control protocol version {hello.version}, expected {CONTROL_VERSION}".encode()
+            )
+            return
+        if old is not None:
+            self._links.pop(old.link_id, None)
+            self._drop(old)
+        pending = [lk for lk in self._inbound.values() if lk.state is LinkState.CHALLENGED]
+        if len(pending) >= self.config.max_pending_auth:
+            oldest = min(pending, key=lambda lk: lk.deadline)
+            self._links.pop(oldest.link_id, None)
+            self._drop(oldest)
+        self._seq += 1
+        now = self._clock()
+        link = Link(
+            f"in-{self._seq}", False, "", LinkState.CHALLENGED, node_id=hello.node_id, ident=ident,
+            nonce=secrets.token_bytes(16), peer_nonce=hello.nonce, deadline=now + self.config.deadline_s,
+            last_recv=now,
+        )
+        self._inbound[ident] = link
+        self._links[link.link_id] = link
+        proof = self._proof(b"server", hello.nonce, link.nonce, hello.node_id, self.node_id)
+        self._send_quiet(link, K_CHALLENGE, _enc.encode(_Challenge(self.node_id, link.nonce, proof)))
+
+    def _on_auth(self, link: Link, body: bytes) -> None:
+        try:
+            proof = _auth_dec.decode(body).proof
+        except msgspec.MsgspecError:
+            proof = None
+        expect = self._proof(b"client", link.peer_nonce, link.nonce, link.node_id, self.node_id)
+        if proof is None or not hmac.compare_digest(expect, proof):
+            self.counters["rejected_handshakes"] += 1
+            log.warning("rejected control peer %r: it failed to prove the shared secret", link.node_id)
+            self._router_reply(link.ident, K_REJECT, b"authentication failed")
+            self._links.pop(link.link_id, None)
+            self._drop(link)
+            return
+        self._send_quiet(link, K_WELCOME, b"")
+        self._up(link)
+
+    # ------------------------------------------------------------ timers
+    def _tick(self) -> None:
+        cfg = self.config
+        now = self._clock()
+        self._next_tick = now + self._tick_s
+        for link in list(self._links.values()):
+            st = link.state
+            if st is LinkState.UP:
+                silent = now - link.last_recv
+                if silent > cfg.deadline_s:
+                    self._down(link, f"heartbeat lost: silent for {silent:.1f} s", retry=link.outbound)
+                elif now - link.last_send >= cfg.heartbeat_interval_s:
+                    self._send_quiet(link, K_PING, b"")
+            elif st in (LinkState.CONNECTING, LinkState.AUTHING):
+                if now >= link.deadline:
+                    self._down(link, f"no answer from {link.address} within {cfg.deadline_s:.1f} s", retry=True)
+            elif st is LinkState.CHALLENGED:
+                if now >= link.deadline:
+                    self._links.pop(link.link_id, None)
+                    self._drop(link)
+            elif st is LinkState.DOWN and link.outbound and now >= link.next_attempt:
+                self._open(link)

@@ -1,0 +1,164 @@
+"""The data transport interface the session layer drives, and what all backends share.
+
+A data transport moves whole KV rows from the local region into a peer's
+region.  It never decides *what* to move: the session layer grants and binds
+rows; the transport validates the rows against both geometries, coalesces
+them, posts them in bounded pieces and reports each transfer exactly once,
+done or failed, from :meth:`DataTransport.poll`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from p2pworker.errors import TransferFailed
+from p2pworker.shm.region import KVRegion
+
+
+class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a peer needs to write into our region; sent over the authenticated control channel."""
+
+    backend: str  # "nixl" or "zmq"
+    agent_name: str
+    base_address: int
+    num_blocks: int
+    block_bytes: int
+    metadata: bytes = b""  # NIXL agent metadata
+    endpoint: str = ""  # fallback: the data socket address
+    token: bytes = b""  # fallback: a per-process write token; only peers told it may write
+
+
+class XferState(enum.Enum):
+    """NIXL's string states (and our own), mapped at the edge."""
+
+    PENDING = "PENDING"  # pieces not posted yet
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+    @classmethod
+    def from_nixl(cls, s: str) -> "XferState":
+        try:
+            return cls(s)
+        except ValueError:
+            return cls.ERR
+
+
+def coalesce(local_rows: np.ndarray, remote_rows: np.ndarray) -> np.ndarray:
+    """Runs of rows contiguous on BOTH sides: an ``(n, 3)`` int64 array of
+    ``(local_start, remote_start, count)``, in the given order."""
+    lr = np.asarray(local_rows, dtype=np.int64)
+    rr = np.asarray(remote_rows, dtype=np.int64)
+    if lr.size == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(lr) != 1) | (np.diff(rr) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [lr.size])))
+    return np.stack((lr[starts], rr[starts], counts), axis=1)
+
+
+def split_runs(runs: np.ndarray, block_bytes: int, max_piece_bytes: int) -> list[np.ndarray]:
+    """Cut runs into pieces of at most ``max_piece_bytes`` (at least one row each).
+
+    One piece is one post: with NIXL's synchronous cma copies, the piece size
+    bounds how long one post can stall the event loop.
+    """
+    max_rows = max(1, max_piece_bytes // block_bytes)
+    pieces: list[np.ndarray] = []
+    cur: list[tuple[int, int, int]] = []
+    cur_rows = 0
+    for l0, r0, n in runs.tolist():
+        while n > 0:
+            take = min(n, max_rows - cur_rows)
+            cur.append((l0, r0, take))
+            cur_rows += take
+            l0, r0, n = l0 + take, r0 + take, n - take
+            if cur_rows == max_rows:
+                pieces.append(np.array(cur, dtype=np.int64))
+                cur, cur_rows = [], 0
+    if cur:
+        pieces.append(np.array(cur, dtype=np.int64))
+    return pieces
+
+
+def check_rows(local_rows, remote_rows, local_blocks: int, remote_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a row mapping against both geometries; raises TransferFailed with the reason."""
+    lr = np.asarray(local_rows, dtype=np.int64).reshape(-1)
+    rr = np.asarray(remote_rows, dtype=np.int64).reshape(-1)
+    if lr.size != rr.size:
+        raise TransferFailed(f"{lr.size} local rows but {rr.size} remote rows")
+    if lr.size == 0:
+        raise TransferFailed("no rows to transfer")
+    if lr.min() < 0 or lr.max() >= local_blocks:
+        raise TransferFailed(f"local rows outside 0..{local_blocks - 1}: [{lr.min()}, {lr.max()}]")
+    if rr.min() < 0 or rr.max() >= remote_blocks:
+        raise TransferFailed(f"remote rows outside the peer's 0..{remote_blocks - 1}: [{rr.min()}, {rr.max()}]")
+    return lr, rr
+
+
+@dataclass
+class TransferStats:
+    submitted: int = 0
+    done: int = 0
+    failed: int = 0
+    bytes_done: int = 0
+    descriptors: int = 0  # descriptors posted (one per run per piece)
+    posts: int = 0
+    last_descriptors: int = 0  # descriptors of the last submitted transfer
+    per_peer_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class DataTransport(abc.ABC):
+    """Register the local region once; write rows into peers; report each transfer once."""
+
+    backend: str
+
+    @abc.abstractmethod
+    def local_info(self) -> PeerDataInfo:
+        """What peers need to write into this region."""
+
+    @abc.abstractmethod
+    def add_peer(self, peer_id: str, info: PeerDataInfo) -> None:
+        """Make ``peer_id`` writable.  Re-adding an id retires the old incarnation first."""
+
+    @abc.abstractmethod
+    def remove_peer(self, peer_id: str) -> None:
+        """Fail the peer's unposted work; forget it once nothing posted to it can still land."""
+
+    @abc.abstractmethod
+    def write_blocks(self, peer_id: str, local_rows, remote_rows) -> int:
+        """Submit a WRITE of local rows into the peer's rows; returns a transfer id.
+
+        Raises ``TransferFailed`` when it cannot even be submitted (unknown
+        peer, rows outside a geometry, closed transport).
+        """
+
+    @abc.abstractmethod
+    def poll(self) -> tuple[list[int], list[tuple[int, str]]]:
+        """Make progress; return (done ids, [(failed id, reason)]) finished since the last call."""
+
+    @abc.abstractmethod
+    def cancel(self, ids, wait: bool = False, timeout_s: float = 5.0) -> None:
+        """Drop unposted pieces of ``ids``; with ``wait``, also wait for posted ones to finish."""
+
+    @abc.abstractmethod
+    def in_flight(self) -> int:
+        """Transfers submitted and not yet reported."""
+
+    @abc.abstractmethod
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Cancel and wait for in-flight transfers, THEN deregister.  Idempotent.
+
+        Returns False when something could still land after ``timeout_s``; the
+        memory registration is then kept (leaked) rather than released under a
+        transfer.
+        """
+
+    @property
+    @abc.abstractmethod
+    def region(self) -> KVRegion: ...

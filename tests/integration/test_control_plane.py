@@ -1,0 +1,272 @@
+"""Control plane on loopback: handshake and auth, heartbeats, reconnect, bounds, hostile frames."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from p2pworker.control import ControlConfig, LinkDown, LinkUp, Received, ZmqControl, default_port
+from p2pworker.control.zmq_control import K_AUTH, K_DATA, K_HELLO, K_REJECT, K_RESET, _Hello
+from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
+from tests.integration.peers import control_acceptor
+
+SECRET = "test-secret"
+
+
+def cfg(**kw) -> ControlConfig:
+    base = dict(port=0, secret=SECRET, heartbeat_interval_s=0.2, heartbeat_liveness=3)
+    base.update(kw)
+    return ControlConfig(**base)
+
+
+def pump(ctls: dict, until, timeout_s: float = 5.0) -> list:
+    """Poll every transport until ``until(events)`` holds; returns [(name, event)]."""
+    events: list = []
+    deadline = time.monotonic() + timeout_s
+    while not until(events):
+        assert time.monotonic() < deadline, f"condition not met in {timeout_s} s; events: {events}"
+        for name, ctl in ctls.items():
+            events += [(name, ev) for ev in ctl.poll(5)]
+    return events
+
+
+def drain_for(ctls: dict, seconds: float) -> list:
+    """Poll every transport for ``seconds``; returns [(name, event)]."""
+    events: list = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for name, ctl in ctls.items():
+            events += [(name, ev) for ev in ctl.poll(5)]
+    return events
+
+
+def of(events, name, kind):
+    return [e for n, e in events if n == name and isinstance(e, kind)]
+
+
+@pytest.fixture
+def pair():
+    a, b = ZmqControl(cfg(), node_id="A"), ZmqControl(cfg(), node_id="B")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_handshake_then_ordered_data_both_ways(pair):
+    a, b = pair
+    link = a.connect(b.address)
+    for i in range(5):
+        a.send(link, b"early-%d" % i)  # queued until the handshake completes, then sent in order
+    ev = pump({"a": a, "b": b}, lambda e: len(of(e, "b", Received)) == 5)
+    up_a, up_b = of(ev, "a", LinkUp), of(ev, "b", LinkUp)
+    assert up_a[0].node_id == "B" and up_a[0].outbound
+    assert up_b[0].node_id == "A" and not up_b[0].outbound
+    assert [r.payload for r in of(ev, "b", Received)] == [b"early-%d" % i for i in range(5)]
+    b.send(up_b[0].link, b"reply")
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "a", Received))
+    assert of(ev, "a", Received)[0] == Received(link, b"reply")
+
+
+def test_empty_poll_allocates_nothing(pair):
+    a, _ = pair
+    assert a.poll() is a.poll()
+
+
+def test_wrong_secret_is_rejected_before_any_data(pair):
+    a, b = pair
+    evil = ZmqControl(cfg(secret="wrong"), node_id="EVIL")
+    try:
+        link = evil.connect(b.address)
+        evil.send(link, b"nixl-metadata")
+        ev = pump({"evil": evil, "b": b}, lambda e: of(e, "evil", LinkDown))
+        assert "failed to prove the shared secret" in of(ev, "evil", LinkDown)[0].reason
+        ev += drain_for({"evil": evil, "b": b}, 0.5)
+        assert not of(ev, "b", Received) and not of(ev, "b", LinkUp)
+        with pytest.raises(PeerLost, match="failed"):
+            evil.send(link, b"again")
+    finally:
+        evil.close()
+
+
+def _raw_dealer(address: str):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 3000)
+    s.connect(address)
+    return ctx, s
+
+
+def _serve_until(b: ZmqControl, sock, timeout_s: float = 3.0):
+    deadline = time.monotonic() + timeout_s
+    events = []
+    while time.monotonic() < deadline:
+        events += list(b.poll(5))
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK), events
+        except zmq.Again:
+            pass
+    raise AssertionError("no answer from the acceptor")
+
+
+def test_hostile_handshakes_are_refused_and_the_acceptor_lives_on(pair):
+    a, b = pair
+    ctx, s = _raw_dealer(b.address)
+    try:
+        s.send_multipart([K_DATA, b"unauthenticated data"])  # data before any handshake
+        (kind, _), ev = _serve_until(b, s)
+        assert kind == K_RESET and not [e for e in ev if isinstance(e, Received)]
+        s.send_multipart([K_HELLO, msgspec.msgpack.encode(_Hello(99, "old", b"n" * 16))])
+        (kind, body), _ = _serve_until(b, s)
+        assert kind == K_REJECT and b"version 99, expected 1" in body
+        s.send_multipart([K_HELLO, msgspec.msgpack.encode(_Hello(1, "forger", b"n" * 16))])
+        _serve_until(b, s)  # the challenge
+        s.send_multipart([K_AUTH, msgspec.msgpack.encode([b"\x00" * 32])])  # a forged proof
+        (kind, body), ev = _serve_until(b, s)
+        assert kind == K_REJECT and body == b"authentication failed"
+        assert not [e for e in ev if isinstance(e, LinkUp)]
+        s.send_multipart([K_HELLO, b"\xc1not msgpack"])
+        (kind, _), _ = _serve_until(b, s)
+        assert kind == K_REJECT
+        assert b.counters["unauthenticated_frames"] >= 1 and b.counters["rejected_handshakes"] >= 2
+    finally:
+        s.close()
+        ctx.term()
+    link = a.connect(b.address)  # an honest peer still gets in
+    a.send(link, b"hi")
+    pump({"a": a, "b": b}, lambda e: of(e, "b", Received))
+
+
+def test_oversized_frames_are_refused_on_both_ends(pair):
+    a, b = pair
+    small = ZmqControl(cfg(max_frame_bytes=64 << 10), node_id="SMALL")
+    try:
+        link = small.connect(b.address)
+        with pytest.raises(P2PError, match="exceeds max_frame_bytes=65536"):
+            small.send(link, b"x" * (64 << 10))
+        honest = a.connect(small.address)
+        pump({"a": a, "small": small}, lambda e: of(e, "small", LinkUp))
+        ctx, s = _raw_dealer(small.address)  # a hostile sender of a 1 MiB frame
+        try:
+            s.send_multipart([K_DATA, b"x" * (1 << 20)])
+            ev = drain_for({"small": small}, 0.5)
+            assert not of(ev, "small", Received)
+        finally:
+            s.close()
+            ctx.term()
+        a.send(honest, b"still here")  # the receiver lives on and serves honest peers
+        pump({"a": a, "small": small}, lambda e: [r for r in of(e, "small", Received) if r.payload == b"still here"])
+    finally:
+        small.close()
+
+
+def test_unreachable_and_unresolvable_addresses(pair):
+    a, _ = pair
+    with pytest.raises(PeerUnreachable, match="cannot resolve"):
+        a.connect("no-such-host.invalid:5710")
+    with pytest.raises(PeerUnreachable, match="expected host:port"):
+        a.connect("localhost")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    t0 = time.monotonic()
+    link = a.connect(f"127.0.0.1:{dead_port}")
+    ev = pump({"a": a}, lambda e: of(e, "a", LinkDown))
+    assert time.monotonic() - t0 <= 0.6 + 0.3  # the handshake deadline: 0.2 s x 3, plus a tick
+    assert "no answer" in of(ev, "a", LinkDown)[0].reason
+    with pytest.raises(PeerLost, match="down"):
+        a.send(link, b"x")
+    ev = drain_for({"a": a}, 1.5)
+    assert not of(ev, "a", LinkDown), "a link that never came up was reported down twice"
+
+
+def test_bounded_queue_raises_backpressure():
+    a = ZmqControl(cfg(hwm=10), node_id="A")
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        link = a.connect(f"127.0.0.1:{port}")
+        for i in range(10):
+            a.send(link, b"m")
+        with pytest.raises(Backpressure, match="10 messages queued"):
+            a.send(link, b"one too many")
+    finally:
+        a.close()
+
+
+def test_auth_needs_a_secret_or_an_explicit_off(monkeypatch, caplog):
+    monkeypatch.delenv("P2PWORKER_SECRET", raising=False)
+    with pytest.raises(AuthError, match="no shared secret"):
+        ZmqControl(ControlConfig(port=0))
+    monkeypatch.setenv("P2PWORKER_SECRET", "from-env")
+    ZmqControl(ControlConfig(port=0)).close()
+    with caplog.at_level(logging.WARNING):
+        a = ZmqControl(ControlConfig(port=0, auth=False), node_id="A")
+        b = ZmqControl(ControlConfig(port=0, auth=False), node_id="B")
+    assert "authentication is DISABLED" in caplog.text
+    try:
+        link = a.connect(b.address)
+        a.send(link, b"open")
+        pump({"a": a, "b": b}, lambda e: of(e, "b", Received))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_default_port_follows_vllm_convention(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_PORT", str(base))
+    assert default_port(2) == base + 2
+    ctl = ZmqControl(cfg(port=None, dp_index=1), node_id="dp1")
+    try:
+        assert ctl.address == f"tcp://127.0.0.1:{base + 1}"
+    finally:
+        ctl.close()
+
+
+@pytest.mark.timeout(60)
+def test_killed_peer_is_declared_dead_once_and_a_restart_reconnects(children):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = children.ctx.Queue()
+    a = ZmqControl(cfg(reconnect_min_s=0.05, reconnect_max_s=0.4), node_id="A")
+    try:
+        proc = children.start(control_acceptor, port, SECRET, "B1", 0.2, q)
+        address = q.get(timeout=30)
+        link = a.connect(address)
+        a.send(link, b"ping")
+        ev = pump({"a": a}, lambda e: of(e, "a", Received))
+        assert of(ev, "a", LinkUp)[0].node_id == "B1"
+        assert of(ev, "a", Received)[0].payload == b"echo:ping"
+
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown))
+        detect_s = time.monotonic() - killed
+        assert detect_s <= 0.6 + 0.3, f"dead peer noticed after {detect_s:.2f} s (deadline 0.6 s)"
+        proc.join(5)
+        ev = drain_for({"a": a}, 1.0)  # retries in the background...
+        assert not of(ev, "a", LinkDown), "a dead peer was reported more than once"
+
+        proc2 = children.start(control_acceptor, port, SECRET, "B2", 0.2, q)  # same address, new process
+        assert q.get(timeout=30) == address
+        ev = pump({"a": a}, lambda e: of(e, "a", LinkUp), timeout_s=10)
+        assert of(ev, "a", LinkUp)[0].node_id == "B2"
+        a.send(link, b"again")
+        ev = pump({"a": a}, lambda e: of(e, "a", Received))
+        assert of(ev, "a", Received)[0].payload == b"echo:again"
+        a.send(link, b"exit")
+        children.join_ok(proc2)
+    finally:
+        a.close()
