@@ -54,12 +54,20 @@ def coalesce(local_rows: np.ndarray, remote_rows: np.ndarray) -> np.ndarray:
     ``(local_start, remote_start, count)``, in the given order."""
     lr = np.asarray(local_rows, dtype=np.int64)
     rr = np.asarray(remote_rows, dtype=np.int64)
-    if lr.size == 0:
+    n = lr.size
+    if n == 0:
         return np.empty((0, 3), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(lr) != 1) | (np.diff(rr) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [lr.size])))
-    return np.stack((lr[starts], rr[starts], counts), axis=1)
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(lr[1:] - lr[:-1], 1, out=brk[1:])
+    brk[1:] |= (rr[1:] - rr[:-1]) != 1
+    starts = np.flatnonzero(brk)
+    out = np.empty((starts.size, 3), dtype=np.int64)
+    out[:, 0] = lr[starts]
+    out[:, 1] = rr[starts]
+    out[:-1, 2] = starts[1:] - starts[:-1]
+    out[-1, 2] = n - starts[-1]
+    return out
 
 
 def split_runs(runs: np.ndarray, block_bytes: int, max_piece_bytes: int) -> list[np.ndarray]:
@@ -69,6 +77,8 @@ def split_runs(runs: np.ndarray, block_bytes: int, max_piece_bytes: int) -> list
     bounds how long one post can stall the event loop.
     """
     max_rows = max(1, max_piece_bytes // block_bytes)
+    if runs.size and int(runs[:, 2].sum()) <= max_rows:
+        return [runs]  # the common case: one piece
     pieces: list[np.ndarray] = []
     cur: list[tuple[int, int, int]] = []
     cur_rows = 0

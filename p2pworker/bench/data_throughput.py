@@ -1,0 +1,200 @@
+"""Data-plane throughput, side by side in one run: raw NIXL calls, our NIXL transport, the ZMQ
+fallback and memcpy, over the same geometry (both regions in /dev/shm, two processes).
+
+Contenders per (block_bytes, blocks per transfer, row pattern):
+
+- ``raw_nixl``: what a caller does with NIXL directly, prepared once: per-row
+  descriptor lists on both sides (``prep_xfer_dlist``), then per transfer
+  ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` until DONE.
+- ``p2pworker_nixl``: ``NixlTransport.write_blocks`` + ``poll`` until reported
+  (runs coalesced, bounded pieces).
+- ``p2pworker_zmq``: the fallback transport.
+- ``memcpy``: numpy row copy between two /dev/shm regions in one process.
+
+Row patterns: ``contig`` (rows 0..n-1 on both sides: one run) and
+``scattered`` (random distinct rows: about one run per row).
+One JSON line per contender and geometry: median GB/s over ``reps`` timed
+batches (each >= 32 MiB, contenders interleaved round by round), descriptors per transfer, and ``vs_raw`` (our median / raw median).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import time
+import uuid
+
+import msgspec
+import numpy as np
+
+
+def _target(name: str, num_blocks: int, block_bytes: int, q_out, q_in) -> None:
+    from p2pworker.data.nixl_transport import NixlTransport
+    from p2pworker.data.zmq_transport import ZmqTransport
+    from p2pworker.shm import KVRegion
+
+    with KVRegion.create(name, num_blocks, block_bytes) as reg:
+        nx = NixlTransport(reg, agent_name=f"bench-tgt-{os.getpid()}")
+        zq = ZmqTransport(reg, agent_name=f"bench-tgt-zmq-{os.getpid()}", max_piece_bytes=64 << 20)
+        q_out.put((msgspec.msgpack.encode(nx.local_info()), msgspec.msgpack.encode(zq.local_info())))
+        try:
+            while True:
+                nx.poll()
+                zq.poll()
+                try:
+                    q_in.get_nowait()
+                    break
+                except queue.Empty:
+                    pass
+        finally:
+            zq.close()
+            nx.close()
+
+
+def _rows(pattern: str, n: int, num_blocks: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    if pattern == "contig":
+        return np.arange(n), np.arange(n)
+    return rng.permutation(num_blocks)[:n], rng.permutation(num_blocks)[:n]
+
+
+def _interleaved_gbps(fns: dict, nbytes: int, reps: int, batch_bytes: int) -> dict[str, float]:
+    """Median GB/s per contender; each sample times a batch of >= ``batch_bytes``,
+    and contenders alternate round by round so they share the machine's noise."""
+    batch = max(1, batch_bytes // nbytes)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up: connections, page faults, caches
+        for _ in range(batch):
+            fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / batch)
+    return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in samples.items()}
+
+
+def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: int, seed: int = 0) -> list[dict]:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from p2pworker.data.base import PeerDataInfo, coalesce
+    from p2pworker.data.nixl_transport import NixlTransport
+    from p2pworker.data.zmq_transport import ZmqTransport
+    from p2pworker.shm import KVRegion
+
+    num_blocks = max(counts) * 2
+    tag = f"p2pw_bench_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    ctx = mp.get_context("spawn")
+    q_out, q_in = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_target, args=(f"{tag}_t", num_blocks, block_bytes, q_out, q_in), daemon=True)
+    proc.start()
+    rows_out: list[dict] = []
+    src = KVRegion.create(f"{tag}_s", num_blocks, block_bytes)
+    dst = KVRegion.create(f"{tag}_d", num_blocks, block_bytes)
+    try:
+        src.array()[:] = 0x5A
+        nx_raw, zq_raw = q_out.get(timeout=120)
+        nx_info = msgspec.msgpack.decode(nx_raw, type=PeerDataInfo)
+        zq_info = msgspec.msgpack.decode(zq_raw, type=PeerDataInfo)
+
+        raw = nixl_agent(f"bench-raw-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        reg = raw.register_memory([(src.address, src.nbytes, 0, "")], "DRAM")
+        remote = raw.add_remote_agent(nx_info.metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        rowlist = lambda base: [(base + i * block_bytes, block_bytes, 0) for i in range(num_blocks)]  # noqa: E731
+        local_dl = raw.prep_xfer_dlist("NIXL_INIT_AGENT", rowlist(src.address), "DRAM")
+        remote_dl = raw.prep_xfer_dlist(remote, rowlist(nx_info.base_address), "DRAM")
+
+        ours = NixlTransport(src, agent_name=f"bench-ours-{os.getpid()}")
+        ours.add_peer("t", nx_info)
+        fb = ZmqTransport(src, agent_name=f"bench-fb-{os.getpid()}")
+        fb.add_peer("t", zq_info)
+        rng = np.random.default_rng(seed)
+        src_arr, dst_arr = src.array(), dst.array()
+
+        for n in counts:
+            for pattern in ("contig", "scattered"):
+                lr, rr = _rows(pattern, n, num_blocks, rng)
+                nbytes = n * block_bytes
+                runs = len(coalesce(lr, rr))
+
+                def raw_once():
+                    h = raw.make_prepped_xfer("WRITE", local_dl, lr.astype(np.int32), remote_dl, rr.astype(np.int32))
+                    state = raw.transfer(h)
+                    while state == "PROC":
+                        state = raw.check_xfer_state(h)
+                    raw.release_xfer_handle(h)
+                    if state != "DONE":
+                        raise RuntimeError(f"raw NIXL transfer ended {state}")
+
+                def transport_once(tr):
+                    def once():
+                        tid = tr.write_blocks("t", lr, rr)
+                        while True:
+                            done, failed = tr.poll()
+                            if failed:
+                                raise RuntimeError(f"transfer failed: {failed}")
+                            if tid in done:
+                                return
+                    return once
+
+                def memcpy_once():
+                    if pattern == "contig":
+                        dst_arr[:n] = src_arr[:n]
+                    else:
+                        dst_arr[rr] = src_arr[lr]
+
+                gbps = _interleaved_gbps(
+                    {"raw_nixl": raw_once, "p2pworker_nixl": transport_once(ours),
+                     "p2pworker_zmq": transport_once(fb), "memcpy": memcpy_once},
+                    nbytes, reps, batch_bytes,
+                )
+                descs = {"raw_nixl": n, "p2pworker_nixl": ours.stats.last_descriptors,
+                         "p2pworker_zmq": fb.stats.last_descriptors, "memcpy": runs}
+                results = {c: (gbps[c], descs[c]) for c in gbps}
+                raw_gbps = results["raw_nixl"][0]
+                for contender, (gbps, descs) in results.items():
+                    rows_out.append({
+                        "contender": contender,
+                        "block_bytes": block_bytes,
+                        "blocks": n,
+                        "pattern": pattern,
+                        "runs": runs,
+                        "descriptors": descs,
+                        "gbps_median": round(gbps, 3),
+                        "vs_raw": round(gbps / raw_gbps, 3),
+                    })
+        del src_arr, dst_arr
+        fb.close()
+        ours.close()
+        raw.release_dlist_handle(local_dl)
+        raw.release_dlist_handle(remote_dl)
+        raw.remove_remote_agent(remote)
+        raw.deregister_memory(reg)
+    finally:
+        q_in.put("exit")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        src.close()
+        dst.close()
+    return rows_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--block-bytes", type=int, nargs="+", default=[16 << 10, 256 << 10])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--reps", type=int, default=11, help="timed samples per contender")
+    ap.add_argument("--batch-mib", type=int, default=32, help="bytes moved per timed sample")
+    args = ap.parse_args(argv)
+    for bb in args.block_bytes:
+        for row in bench_geometry(bb, args.blocks, args.reps, args.batch_mib << 20):
+            print(json.dumps(row), flush=True)
+    return 0
