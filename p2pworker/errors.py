@@ -77,3 +77,15 @@ class PeerLost(P2PError):
 
 class Backpressure(P2PError):
     """A bounded queue is full (ZMQ high-water mark); the caller must retry later or fail the work."""
+
+
+class ProtocolError(P2PError):
+    """A session protocol rule was broken."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something invalid: the session that received it is closed, nothing else."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We misused the protocol (a bug on our side, e.g. a duplicate job id)."""

@@ -452,7 +452,7 @@ class ZmqControl(ControlTransport):
     def _on_challenge(self, link: Link, body: bytes) -> None:
         try:
             ch = _challenge_dec.decode(body)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, UnicodeDecodeError):
             self.counters["malformed_frames"] += 1
             return
         expect = self._proof(b"server", link.nonce, ch.nonce, self.node_id, ch.node_id)
@@ -500,7 +500,7 @@ class ZmqControl(ControlTransport):
     def _on_hello(self, ident: bytes, body: bytes, old: Link | None) -> None:
         try:
             hello = _hello_dec.decode(body)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, UnicodeDecodeError):
             self.counters["malformed_frames"] += 1
             self._router_reply(ident, K_REJECT, b"malformed hello")
             return
@@ -533,7 +533,7 @@ class ZmqControl(ControlTransport):
     def _on_auth(self, link: Link, body: bytes) -> None:
         try:
             proof = _auth_dec.decode(body).proof
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, UnicodeDecodeError):
             proof = None
         expect = self._proof(b"client", link.peer_nonce, link.nonce, link.node_id, self.node_id)
         if proof is None or not hmac.compare_digest(expect, proof):

@@ -153,7 +153,7 @@ class ZmqTransport(PieceTransport):
                 if kind == KIND_ACK:
                     try:
                         ack = _ack_dec.decode(raw)
-                    except msgspec.MsgspecError:
+                    except (msgspec.MsgspecError, UnicodeDecodeError):
                         continue
                     self._acks[(ack.tid, ack.seq)] = ack.error or ""
 
@@ -179,7 +179,7 @@ class ZmqTransport(PieceTransport):
                 self._buf[start * bb : (start + count) * bb] = frame.buffer
                 self.received_bytes += count * bb
             error = ""
-        except (ValueError, PermissionError, msgspec.MsgspecError) as e:
+        except (ValueError, PermissionError, msgspec.MsgspecError) as e:  # UnicodeDecodeError is a ValueError
             self.rejected_writes += 1
             log.warning("rejected a data write: %s", e)
             error = str(e)

@@ -135,6 +135,10 @@ def test_hostile_handshakes_are_refused_and_the_acceptor_lives_on(pair):
         s.send_multipart([K_HELLO, b"\xc1not msgpack"])
         (kind, _), _ = _serve_until(b, s)
         assert kind == K_REJECT
+        # a node id that is not UTF-8 (msgspec raises UnicodeDecodeError, not a MsgspecError)
+        s.send_multipart([K_HELLO, b"\x93\x01\xa2\xff\xfe\xc4\x10" + b"n" * 16])
+        (kind, _), _ = _serve_until(b, s)
+        assert kind == K_REJECT
         assert b.counters["unauthenticated_frames"] >= 1 and b.counters["rejected_handshakes"] >= 2
     finally:
         s.close()

@@ -1,0 +1,116 @@
+"""Messages between two workers' sessions: msgspec tagged Structs in one union, one decoder.
+
+Authentication happens below, in the control transport: a session only ever
+receives frames from a link whose peer proved the shared secret.  Limits are
+part of the types (msgspec ``Meta``), so a frame that breaks them fails to
+decode; :func:`decode` turns every decoding failure into
+``RemoteProtocolError``.  Checks that need session context (rows inside the
+peer's advertised geometry) are done by the session.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta
+
+from p2pworker.data.base import PeerDataInfo
+from p2pworker.errors import RemoteProtocolError
+from p2pworker.fingerprint import Fingerprint
+
+PROTOCOL_VERSION = 1
+MAX_KEYS = 8192  # keys (blocks) in one fetch, lookup or completion
+MAX_ID_CHARS = 256
+MAX_KEY_BYTES = 128
+MAX_FRAME_BYTES = 4 << 20
+
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Key = Annotated[bytes, Meta(max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], Meta(max_length=MAX_KEYS)]
+Row = Annotated[int, Meta(ge=0, lt=1 << 40)]
+Count = Annotated[int, Meta(ge=0, lt=1 << 62)]
+Reason = Annotated[str, Meta(max_length=1024)]
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    version: int
+    peer_id: Id
+    data: PeerDataInfo
+    fingerprint: Fingerprint
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack", forbid_unknown_fields=True):
+    version: int
+    peer_id: Id
+    accepted: bool
+    data: PeerDataInfo | None = None
+    fingerprint: Fingerprint | None = None
+    reason: Reason = ""
+
+
+class Fetch(msgspec.Struct, tag="fetch", forbid_unknown_fields=True):
+    """Consumer -> producer: write these keys of ``request_id`` into these (granted) rows of mine."""
+
+    request_id: Id
+    round: Count
+    keys: Keys
+    rows: Annotated[list[Row], Meta(max_length=MAX_KEYS)]
+
+
+class TransferDone(msgspec.Struct, tag="transfer_done", forbid_unknown_fields=True):
+    """Producer -> consumer: this round is over; ``landed`` keys are in the granted rows."""
+
+    request_id: Id
+    round: Count
+    landed: Keys
+    reason: Reason = ""
+
+
+class AbortFetch(msgspec.Struct, tag="abort_fetch", forbid_unknown_fields=True):
+    request_id: Id
+    round: Count
+
+
+class AbortAck(msgspec.Struct, tag="abort_ack", forbid_unknown_fields=True):
+    """Producer -> consumer: nothing of this round is in flight any more."""
+
+    request_id: Id
+    round: Count
+
+
+class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
+    lookup_id: Count
+    keys: Keys
+
+
+class LookupResp(msgspec.Struct, tag="lookup_resp", forbid_unknown_fields=True):
+    lookup_id: Count
+    present: Annotated[list[bool], Meta(max_length=MAX_KEYS)]
+
+
+class Bye(msgspec.Struct, tag="bye", forbid_unknown_fields=True):
+    reason: Reason = ""
+
+
+Message = Union[Hello, HelloAck, Fetch, TransferDone, AbortFetch, AbortAck, Lookup, LookupResp, Bye]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    """One typed decoder for every message; anything invalid raises RemoteProtocolError."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise RemoteProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        msg = _decoder.decode(frame)
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:
+        raise RemoteProtocolError(f"undecodable frame: {e}") from None
+    if isinstance(msg, Fetch) and len(msg.keys) != len(msg.rows):
+        raise RemoteProtocolError(f"fetch {msg.request_id!r}: {len(msg.keys)} keys but {len(msg.rows)} rows")
+    return msg

@@ -1,0 +1,10 @@
+"""Sessions: the per-peer protocol state machines (client + server roles) and the producer's parking lot."""
+
+from p2pworker.session.parking import ParkingLot
+from p2pworker.session.reporter import JobDone, LookupAnswer, Reporter, ServeLookup, SessionClosed, SessionUp
+from p2pworker.session.session import ALLOWED, Session, SessionConfig, SessionContext, State
+
+__all__ = [
+    "ALLOWED", "JobDone", "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
+    "SessionConfig", "SessionContext", "SessionUp", "State",
+]

@@ -1,0 +1,94 @@
+"""The exactly-once ledger: every job opened is reported once, and only opened jobs are reported.
+
+vLLM's tiering manager asserts on an unknown or duplicate finished job id, and
+that assertion takes the whole engine down.  Every job report in p2pworker
+goes through one :class:`Reporter`; breaking its rules is a bug on our side
+and raises ``LocalProtocolError`` where it happens, never downstream.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+from p2pworker.errors import LocalProtocolError
+
+
+class JobDone(NamedTuple):
+    job_id: int
+    kind: str  # "load" or "store"
+    success: bool  # every key of the job moved
+    keys: tuple  # the keys that did move (partial success: a subset)
+    nbytes: int
+    seconds: float
+    reason: str  # why not everything moved ("" on full success)
+
+
+class LookupAnswer(NamedTuple):
+    lookup_id: int
+    present: tuple | None  # one bool per key asked; None when the peer could not answer
+    reason: str
+
+
+class ServeLookup(NamedTuple):
+    """A peer asks which of ``keys`` we hold; answer with Session.answer_lookup."""
+
+    peer_id: str
+    lookup_id: int
+    keys: tuple
+
+
+class SessionUp(NamedTuple):
+    peer_id: str
+
+
+class SessionClosed(NamedTuple):
+    peer_id: str
+    reason: str
+
+
+Event = Union[JobDone, LookupAnswer, ServeLookup, SessionUp, SessionClosed]
+
+
+class Reporter:
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[str, float]] = {}
+        self._lookups: set[int] = set()
+        self.events: list[Event] = []
+        self.late = 0  # completions that arrived after their job was reported (ignored)
+
+    def open(self, job_id: int, kind: str, t_submit: float) -> None:
+        if job_id in self._open:
+            raise LocalProtocolError(f"duplicate job id {job_id} ({kind}); it is still open")
+        self._open[job_id] = (kind, t_submit)
+
+    def is_open(self, job_id: int) -> bool:
+        return job_id in self._open
+
+    def done(self, job_id: int, success: bool, keys, nbytes: int, now: float, reason: str = "") -> None:
+        entry = self._open.pop(job_id, None)
+        if entry is None:
+            raise LocalProtocolError(f"job {job_id} reported but it is not open (unknown or already reported)")
+        kind, t0 = entry
+        self.events.append(JobDone(job_id, kind, success, tuple(keys), nbytes, max(0.0, now - t0), reason))
+
+    def open_lookup(self, lookup_id: int) -> None:
+        if lookup_id in self._lookups:
+            raise LocalProtocolError(f"duplicate lookup id {lookup_id}")
+        self._lookups.add(lookup_id)
+
+    def lookup_done(self, lookup_id: int, present, reason: str = "") -> None:
+        if lookup_id not in self._lookups:
+            raise LocalProtocolError(f"lookup {lookup_id} answered but it is not open")
+        self._lookups.discard(lookup_id)
+        self.events.append(LookupAnswer(lookup_id, None if present is None else tuple(present), reason))
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def take(self) -> list[Event]:
+        out, self.events = self.events, []
+        return out
+
+    @property
+    def open_jobs(self) -> int:
+        return len(self._open)
