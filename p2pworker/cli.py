@@ -16,6 +16,56 @@ def main() -> None:
     """p2pworker: a peer-to-peer KV-cache tier for vLLM, with an out-of-process transfer worker."""
 
 
+@main.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="Worker TOML config.")
+@click.option("--rings", required=True, help="Ring name prefix (the adapter created <PREFIX>.cmd and <PREFIX>.evt).")
+@click.option("--name", default=None, help="Worker name (logs, admin path).")
+@click.option("--host", default=None, help="Control host to bind (overrides [control] host).")
+@click.option("--port", type=int, default=None, help="Control base port (0: any free port).")
+@click.option("--dp-index", type=int, default=None, help="Data-parallel rank: bound port = port + index.")
+@click.option("--backend", type=click.Choice(["auto", "nixl", "zmq"]), default=None, help="Data backend.")
+@click.option("--admin", "admin_path", default=None, help="Admin socket path.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--no-auth", is_flag=True, help="Disable control-plane authentication (logs a warning).")
+@click.option("-v", "--verbose", count=True)
+def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, metrics_port, no_auth, verbose) -> None:
+    """Run a worker in the foreground (what the adapter spawns; an operator can run it by hand).
+
+    The shared secret comes from $P2PWORKER_SECRET or the config's [control] secret.
+    """
+    import logging
+
+    from p2pworker.config import load_config
+    from p2pworker.worker import Worker
+
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    over: dict = {"rings": rings}
+    control: dict = {}
+    for key, value in (("host", host), ("port", port), ("dp_index", dp_index)):
+        if value is not None:
+            control[key] = value
+    if no_auth:
+        control["auth"] = False
+    if control:
+        over["control"] = control
+    if name:
+        over["name"] = name
+    if backend:
+        over["data"] = {"backend": backend}
+    if admin_path:
+        over["admin_path"] = admin_path
+    if metrics_port is not None:
+        over["metrics_port"] = metrics_port
+    try:
+        cfg = load_config(config_path, over)
+        worker = Worker(cfg)
+    except Exception as e:
+        raise click.ClickException(f"worker did not start: {e}") from e
+    worker.install_signal_handlers()
+    sys.exit(worker.run())
+
+
 @main.command("bench-ring")
 @click.option("-n", "--round-trips", default=20000, show_default=True, help="Round trips per contender.")
 @click.option("--warmup", default=2000, show_default=True)

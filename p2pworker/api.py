@@ -1,0 +1,141 @@
+"""What the adapter and its worker say to each other over the shared-memory rings.
+
+Commands go adapter -> worker on the command ring; events go worker -> adapter
+on the event ring.  Both are msgspec tagged Structs decoded by one typed
+decoder each.  Job ids and lookup ids are the adapter's; the worker reports
+each job it accepted exactly once (``JobFinished``).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from p2pworker.shm.region import RegionHandle
+
+Scalar = Union[str, int, float, bool, None]
+
+
+# ---------------------------------------------------------------- commands
+class AttachRegion(msgspec.Struct, tag="attach_region"):
+    """The KV region to map and register; ``identity`` feeds the config fingerprint."""
+
+    handle: RegionHandle
+    identity: dict[str, Scalar] = {}
+
+
+class OpenSession(msgspec.Struct, tag="open_session"):
+    address: str  # host:port of the peer worker's control socket
+
+
+class CloseSession(msgspec.Struct, tag="close_session"):
+    address: str
+
+
+class StoreJob(msgspec.Struct, tag="store"):
+    """Producer: park ``rows`` (holding ``keys``) for ``request_id`` until a consumer fetches them."""
+
+    job_id: int
+    request_id: str
+    keys: list[bytes]
+    rows: list[int]
+
+
+class LoadJob(msgspec.Struct, tag="load"):
+    """Consumer: have the worker at ``address`` write ``keys`` of ``request_id`` into our ``rows``."""
+
+    job_id: int
+    address: str
+    request_id: str
+    keys: list[bytes]
+    rows: list[int]
+
+
+class LookupKeys(msgspec.Struct, tag="lookup"):
+    lookup_id: int
+    address: str
+    keys: list[bytes]
+
+
+class AnswerLookup(msgspec.Struct, tag="answer_lookup"):
+    peer_id: str
+    lookup_id: int
+    present: list[bool]
+
+
+class RequestFinished(msgspec.Struct, tag="request_finished"):
+    request_id: str
+
+
+class Drain(msgspec.Struct, tag="drain"):
+    """Stop accepting work; report ``Drained`` once nothing is in flight."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    reason: str = ""
+
+
+Command = Union[AttachRegion, OpenSession, CloseSession, StoreJob, LoadJob, LookupKeys, AnswerLookup,
+                RequestFinished, Drain, Shutdown]
+
+
+# ---------------------------------------------------------------- events
+class Ready(msgspec.Struct, tag="ready"):
+    node_id: str
+    address: str  # where peers reach this worker
+    backend: str  # data backend in use
+    fingerprint: str  # digest
+    admin: str  # admin endpoint
+
+
+class JobFinished(msgspec.Struct, tag="job_finished"):
+    job_id: int
+    kind: str
+    success: bool
+    keys: list[bytes]
+    nbytes: int
+    seconds: float
+    reason: str = ""
+
+
+class LookupResult(msgspec.Struct, tag="lookup_result"):
+    lookup_id: int
+    present: list[bool] | None
+    reason: str = ""
+
+
+class PeerLookup(msgspec.Struct, tag="peer_lookup"):
+    """A peer asks which keys we hold: answer with AnswerLookup."""
+
+    peer_id: str
+    lookup_id: int
+    keys: list[bytes]
+
+
+class PeerUp(msgspec.Struct, tag="peer_up"):
+    peer_id: str
+
+
+class PeerDown(msgspec.Struct, tag="peer_down"):
+    peer_id: str
+    reason: str
+
+
+class WorkerError(msgspec.Struct, tag="error"):
+    message: str
+
+
+class Drained(msgspec.Struct, tag="drained"):
+    pass
+
+
+Event = Union[Ready, JobFinished, LookupResult, PeerLookup, PeerUp, PeerDown, WorkerError, Drained]
+
+RING_NSLOTS = 256
+RING_SLOT_BYTES = 64 * 1024  # ~1,500 keys of 32 bytes plus their rows per job
+
+
+def ring_names(prefix: str) -> tuple[str, str]:
+    """(command ring, event ring) names for a worker's ring prefix."""
+    return f"{prefix}.cmd", f"{prefix}.evt"

@@ -1,0 +1,127 @@
+"""The adapter's side of a worker: creates the rings, spawns (or attaches to) the worker, speaks through the rings.
+
+Never blocks on the worker in :meth:`send`/:meth:`poll` (what vLLM's scheduler
+thread calls); the ``wait_*`` helpers are for tools, tests and start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from p2pworker import api
+from p2pworker.errors import P2PError, PeerDead
+from p2pworker.shm import RegionHandle, Ring, Role
+
+
+class WorkerClient:
+    def __init__(
+        self,
+        name: str,
+        *,
+        config_path: str | None = None,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        spawn: bool = True,
+        stderr=None,
+    ):
+        self.name = name
+        self.prefix = f"p2pw_{name}_{os.getpid()}_{secrets.token_hex(3)}"
+        cmd_name, evt_name = api.ring_names(self.prefix)
+        self.cmd = Ring.create(cmd_name, Role.PRODUCER, nslots=api.RING_NSLOTS, slot_bytes=api.RING_SLOT_BYTES,
+                               msg_type=api.Command)
+        try:
+            self.evt = Ring.create(evt_name, Role.CONSUMER, nslots=api.RING_NSLOTS, slot_bytes=api.RING_SLOT_BYTES,
+                                   msg_type=api.Event)
+        except BaseException:
+            self.cmd.close()
+            raise
+        self.proc: subprocess.Popen | None = None
+        self.ready: api.Ready | None = None
+        self.backlog: list[api.Event] = []
+        if spawn:
+            argv = [sys.executable, "-m", "p2pworker.cli", "launch", "--name", name, "--rings", self.prefix]
+            if config_path:
+                argv += ["--config", config_path]
+            argv += args or []
+            self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                                         stderr=stderr)
+
+    # ------------------------------------------------------------ never blocking
+    def send(self, cmd: api.Command) -> bool:
+        """Queue a command; False when the command ring is full (the caller retries or fails the job)."""
+        return self.cmd.try_put(cmd)
+
+    def poll(self) -> list[api.Event]:
+        out, self.backlog = self.backlog, []
+        while True:
+            ev = self.evt.try_get()
+            if ev is None:
+                return out
+            out.append(ev)
+
+    def alive(self) -> bool:
+        return self.evt.peer_alive() and (self.proc is None or self.proc.poll() is None)
+
+    # ------------------------------------------------------------ tools
+    def wait_for(self, pred: Callable[[api.Event], bool], timeout_s: float = 30.0) -> api.Event:
+        """The first event matching ``pred`` (others stay in the backlog for poll())."""
+        deadline = time.monotonic() + timeout_s
+        seen: list[api.Event] = []
+        try:
+            while True:
+                for ev in self.poll():
+                    if pred(ev):
+                        return ev
+                    seen.append(ev)
+                if not self.alive():
+                    code = None if self.proc is None else self.proc.poll()
+                    raise PeerDead(self.evt.name, "worker", self.evt.peer_pid, f"worker exited ({code})")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"worker {self.name}: no matching event within {timeout_s} s; got {seen[-5:]}")
+                time.sleep(0.0005)
+        finally:
+            self.backlog = seen + self.backlog
+
+    def attach(self, handle: RegionHandle, identity: dict | None = None, timeout_s: float = 60.0) -> api.Ready:
+        """Hand the worker the region; returns its Ready (address, backend, fingerprint)."""
+        if not self.send(api.AttachRegion(handle, identity or {})):
+            raise P2PError("command ring full")
+        ev = self.wait_for(lambda e: isinstance(e, (api.Ready, api.WorkerError)), timeout_s)
+        if isinstance(ev, api.WorkerError):
+            raise P2PError(f"worker {self.name} could not attach the region: {ev.message}")
+        self.ready = ev
+        self.cmd.unlink()  # both sides attached: a crash now leaves nothing in /dev/shm
+        self.evt.unlink()
+        return ev
+
+    def close(self, timeout_s: float = 15.0) -> int | None:
+        """Ask the worker to shut down, wait for it, close the rings.  Returns its exit code."""
+        code = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.send(api.Shutdown("client closing"))
+                try:
+                    code = self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    code = self.proc.wait()
+            else:
+                code = self.proc.returncode
+        try:
+            self.backlog += self.poll()
+        except P2PError:
+            pass
+        self.cmd.close()
+        self.evt.close()
+        return code
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

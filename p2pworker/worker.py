@@ -1,0 +1,469 @@
+"""The transfer worker: one event-loop thread that owns every ring, socket, NIXL handle and session.
+
+Loop (``Worker.step``): take commands from the command ring; poll the control
+transport (links up/down, frames into sessions); poll the data transport (write
+results back to the sessions that submitted them); run timers (session and
+parking-lot time-outs, adapter liveness); push events to the event ring; answer
+the admin socket.  Then sleep on the ring's bell, the control sockets and the
+admin socket together: up to ``busy_poll_s`` while transfers may be landing
+(NIXL's progress is driven from here; its own spinning thread is off), up to
+the next timer otherwise.
+
+Shutdown (Shutdown command, SIGTERM/SIGINT, or the adapter gone): stop taking
+work, fail every open job once (queued commands included), cancel and WAIT for
+in-flight transfers, then deregister, then unmap, then exit 0.  A second
+signal exits at once with status 1.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from p2pworker import api
+from p2pworker.admin import AdminServer
+from p2pworker.config import WorkerConfig
+from p2pworker.control import LinkDown, LinkUp, Received, ZmqControl
+from p2pworker.data import make_data_transport
+from p2pworker.errors import Backpressure, P2PError, PeerLost, RemoteProtocolError
+from p2pworker.fingerprint import Fingerprint
+from p2pworker.protocol.messages import PROTOCOL_VERSION
+from p2pworker.session import (
+    JobDone,
+    LookupAnswer,
+    ParkingLot,
+    Reporter,
+    ServeLookup,
+    Session,
+    SessionClosed,
+    SessionContext,
+    SessionUp,
+    State,
+)
+from p2pworker.shm import KVRegion, Ring, Role
+
+log = logging.getLogger("p2pworker.worker")
+
+LIVENESS_CHECK_S = 0.25
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, *, clock: Callable[[], float] = time.monotonic):
+        if not cfg.rings:
+            raise P2PError("the worker needs --rings PREFIX (the adapter creates <PREFIX>.cmd and <PREFIX>.evt)")
+        self.cfg = cfg
+        self.clock = clock
+        cmd_name, evt_name = api.ring_names(cfg.rings)
+        self.cmd = Ring.attach(cmd_name, Role.CONSUMER, msg_type=api.Command)
+        try:
+            self.evt = Ring.attach(evt_name, Role.PRODUCER, msg_type=api.Event)
+        except BaseException:
+            self.cmd.close()
+            raise
+        self.started = clock()
+        self.reporter = Reporter()
+        self.region: KVRegion | None = None
+        self.data: Any = None
+        self.ctl: ZmqControl | None = None
+        self.ctx: SessionContext | None = None
+        self.fingerprint: Fingerprint | None = None
+        self.sessions: dict[str, Session] = {}  # control link id -> session
+        self.out_links: dict[str, str] = {}  # peer address -> outbound link id
+        self._broken: set[str] = set()
+        self.pending: collections.deque = collections.deque()  # events the full event ring could not take
+        self.stopping = False
+        self.stop_reason = ""
+        self.draining = False
+        self._signals = 0
+        self._next_tick = clock()
+        self._next_liveness = clock()
+        self.counters = collections.Counter()
+        self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
+        self.metrics = None
+        if cfg.metrics_port:
+            from p2pworker.metrics import Metrics
+
+            self.metrics = Metrics(cfg.metrics_port, self)
+
+    # ------------------------------------------------------------ running
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.error("second signal (%s): exiting now without an orderly shutdown", signal.Signals(signum).name)
+            os._exit(1)
+        self.stop(f"signal {signal.Signals(signum).name}")
+
+    def stop(self, reason: str) -> None:
+        if not self.stopping:
+            log.info("stopping: %s", reason)
+            self.stopping = True
+            self.stop_reason = reason
+
+    def run(self) -> int:
+        try:
+            while not self.stopping:
+                busy = self.step()
+                if not self.stopping:
+                    self._sleep(busy)
+        finally:
+            self.shutdown()
+        return 0
+
+    def step(self) -> bool:
+        """One loop iteration; True when more work is expected soon (do not sleep long)."""
+        did = self._take_commands()
+        if self.ctl is not None:
+            for ev in self.ctl.poll(0):
+                did = True
+                self._on_control(ev)
+        if self.data is not None:
+            done, failed = self.data.poll()
+            for tid in done:
+                self.ctx.on_write_result(tid, True)
+            for tid, reason in failed:
+                self.ctx.on_write_result(tid, False, reason)
+            did = did or bool(done) or bool(failed)
+        for link in list(self._broken):
+            self._broken.discard(link)
+            s = self.sessions.get(link)
+            if s is not None:
+                s.close("control link unusable")
+        now = self.clock()
+        if now >= self._next_tick:
+            self._next_tick = now + self.cfg.tick_s
+            for s in list(self.sessions.values()):
+                s.tick()
+            if self.ctx is not None:
+                self.ctx.lot.tick()
+            if self.draining and self.reporter.open_jobs == 0 and not self._in_flight():
+                self.draining = False
+                self.reporter.emit(api.Drained())
+        if now >= self._next_liveness:
+            self._next_liveness = now + LIVENESS_CHECK_S
+            status = self.cmd.peer_status()
+            if status in ("dead", "closed"):
+                self.stop(f"the adapter is gone (command ring producer {status})")
+        self._flush_events()
+        self.admin.serve()
+        return did or self._in_flight() or bool(self.pending)
+
+    def _in_flight(self) -> bool:
+        if self.data is not None and self.data.in_flight():
+            return True
+        return any(s.open_loads for s in self.sessions.values())
+
+    def _sleep(self, busy: bool) -> None:
+        timeout_s = self.cfg.busy_poll_s if busy else max(0.0, min(self.cfg.idle_poll_s, self._next_tick - self.clock()))
+        if self.cmd.arm():
+            return
+        try:
+            poller = zmq.Poller()
+            poller.register(self.cmd.fileno(), zmq.POLLIN)
+            poller.register(self.admin.socket, zmq.POLLIN)
+            if self.ctl is not None:
+                for sock in self.ctl.sockets():
+                    poller.register(sock, zmq.POLLIN)
+            poller.poll(max(0, int(timeout_s * 1000)))
+        finally:
+            self.cmd.disarm()
+
+    # ------------------------------------------------------------ commands
+    def _take_commands(self) -> bool:
+        did = False
+        for _ in range(256):
+            try:
+                cmd = self.cmd.try_get()
+            except (msgspec.MsgspecError, UnicodeDecodeError) as e:
+                self._error(f"undecodable command dropped: {e}")
+                continue
+            if cmd is None:
+                break
+            did = True
+            self.counters["commands"] += 1
+            try:
+                self._handle(cmd)
+            except P2PError as e:
+                self._error(f"{type(cmd).__name__}: {e}")
+        return did
+
+    def _handle(self, cmd: api.Command) -> None:
+        match cmd:
+            case api.StoreJob():
+                if self._refuse(cmd.job_id, "store"):
+                    return
+                self.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
+            case api.LoadJob():
+                if self._refuse(cmd.job_id, "load"):
+                    return
+                s = self._session_for(cmd.address)
+                if s is None:
+                    self._fail_now(cmd.job_id, "load", f"peer {cmd.address} unreachable")
+                    return
+                s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
+            case api.LookupKeys():
+                s = None if self.ctx is None or self.stopping else self._session_for(cmd.address)
+                if s is None:
+                    self.reporter.open_lookup(cmd.lookup_id)
+                    self.reporter.lookup_done(cmd.lookup_id, None, f"peer {cmd.address} unreachable or worker not ready")
+                    return
+                s.lookup(cmd.lookup_id, cmd.keys)
+            case api.AnswerLookup():
+                for s in self.sessions.values():
+                    if s.peer_id == cmd.peer_id and s.state is State.ACTIVE and cmd.lookup_id in s._serving:
+                        s.answer_lookup(cmd.lookup_id, cmd.present)
+                        break
+            case api.RequestFinished():
+                if self.ctx is not None:
+                    self.ctx.lot.request_finished(cmd.request_id)
+            case api.OpenSession():
+                self._session_for(cmd.address)
+            case api.CloseSession():
+                link = self.out_links.pop(_addr_key(cmd.address), None)
+                if link is not None:
+                    s = self.sessions.pop(link, None)
+                    if s is not None:
+                        s.close("closed by the adapter", bye=True)
+                    self.ctl.disconnect(link)
+            case api.AttachRegion():
+                self._attach(cmd)
+            case api.Drain():
+                self.draining = True
+            case api.Shutdown():
+                self.stop(f"shutdown command{': ' + cmd.reason if cmd.reason else ''}")
+
+    def _refuse(self, job_id: int, kind: str) -> bool:
+        if self.ctx is None:
+            self._fail_now(job_id, kind, "worker has no region attached yet")
+            return True
+        if self.stopping or self.draining:
+            self._fail_now(job_id, kind, "worker is draining or shutting down")
+            return True
+        return False
+
+    def _fail_now(self, job_id: int, kind: str, reason: str) -> None:
+        now = self.clock()
+        self.reporter.open(job_id, kind, now)
+        self.reporter.done(job_id, False, (), 0, now, reason)
+
+    def _attach(self, cmd: api.AttachRegion) -> None:
+        if self.region is not None:
+            raise P2PError("a region is attached already")
+        cfg = self.cfg
+        region = KVRegion.attach(cmd.handle)
+        try:
+            self.fingerprint = Fingerprint.build(
+                block_bytes=region.block_bytes, protocol_version=PROTOCOL_VERSION, identity=cmd.identity
+            )
+            ctl = ZmqControl(cfg.control)
+            data = make_data_transport(
+                region, backend=cfg.data.backend, agent_name=f"{cfg.name}-{ctl.node_id}", host=cfg.control.host,
+                max_piece_bytes=cfg.data.max_piece_bytes, post_budget_bytes=cfg.data.post_budget_bytes,
+            )
+        except BaseException:
+            if "ctl" in locals():
+                ctl.close()
+            region.close()
+            raise
+        self.region, self.ctl, self.data = region, ctl, data
+        lot = ParkingLot(self.reporter, self.clock, block_bytes=region.block_bytes,
+                         park_timeout_s=cfg.session.park_timeout_s)
+        self.ctx = SessionContext(
+            node_id=ctl.node_id, data_info=data.local_info(), fingerprint=self.fingerprint, data=data,
+            reporter=self.reporter, lot=lot, clock=self.clock, config=cfg.session,
+        )
+        log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
+                 region.num_blocks, region.block_bytes, ctl.address, data.backend, self.fingerprint.digest)
+        self.reporter.emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint))
+
+    # ------------------------------------------------------------ sessions
+    def _session_for(self, address: str) -> Session | None:
+        if self.ctl is None:
+            return None
+        key = _addr_key(address)
+        link = self.out_links.get(key)
+        if link is None:
+            try:
+                link = self.ctl.connect(address)
+            except P2PError as e:
+                log.warning("cannot connect to %s: %s", address, e)
+                return None
+            self.out_links[key] = link
+        s = self.sessions.get(link)
+        if s is None:
+            s = self.sessions[link] = self._new_session(link, None)
+        return s
+
+    def _new_session(self, link: str, peer: str | None) -> Session:
+        def send(frame: bytes, link=link) -> None:
+            try:
+                self.ctl.send(link, frame)
+            except (PeerLost, Backpressure, P2PError) as e:
+                log.warning("control link %s: %s; closing its session", link, e)
+                self._broken.add(link)
+
+        return Session(self.ctx, send, expected_peer_id=peer)
+
+    def _on_control(self, ev) -> None:
+        if isinstance(ev, Received):
+            s = self.sessions.get(ev.link)
+            if s is None:
+                return
+            try:
+                s.receive(ev.payload)
+            except RemoteProtocolError as e:
+                self.counters["protocol_errors"] += 1
+                log.warning("peer %s broke the protocol: %s; session closed", s.peer_id or ev.link, e)
+                if not ev.link.startswith("out-"):
+                    self.sessions.pop(ev.link, None)
+                    self.ctl.disconnect(ev.link)
+        elif isinstance(ev, LinkUp):
+            s = self.sessions.get(ev.link)
+            if ev.outbound:
+                if s is None or s.state is not State.IDLE:
+                    s = self.sessions[ev.link] = self._new_session(ev.link, ev.node_id)
+                s.expected_peer_id = ev.node_id
+                s.start()
+            else:
+                self.sessions[ev.link] = self._new_session(ev.link, ev.node_id)
+        elif isinstance(ev, LinkDown):
+            self.counters["peer_deaths"] += 1
+            s = self.sessions.get(ev.link)
+            if s is not None:
+                s.close(f"peer lost: {ev.reason}")
+            if not ev.link.startswith("out-"):
+                self.sessions.pop(ev.link, None)
+
+    # ------------------------------------------------------------ events
+    def _error(self, message: str) -> None:
+        log.error("%s", message)
+        self.counters["errors"] += 1
+        self.reporter.emit(api.WorkerError(message))
+
+    def _flush_events(self) -> None:
+        for ev in self.reporter.take():
+            self.pending.append(_to_api(ev))
+        while self.pending:
+            if not self.evt.try_put(self.pending[0]):
+                self.counters["event_ring_full"] += 1
+                return
+            ev = self.pending.popleft()
+            if isinstance(ev, api.JobFinished):
+                self.counters[f"jobs_{ev.kind}_{'ok' if ev.success else 'failed'}"] += 1
+                if self.metrics is not None:
+                    self.metrics.job(ev)
+
+    # ------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        """Fail or finish every job once, drain transfers, deregister, unmap, close the rings."""
+        reason = f"worker shutting down ({self.stop_reason or 'exit'})"
+        self.stopping = True
+        try:
+            self._fail_queued_commands(reason)
+            for s in list(self.sessions.values()):
+                s.close(reason, bye=True)
+            if self.ctx is not None:
+                for p in list(self.ctx.lot.parcels.values()):
+                    self.ctx.lot.drop(p, reason)
+            if self.data is not None:
+                if not self.data.close(self.cfg.shutdown_timeout_s):
+                    log.error("transfers still in flight after %.1f s; the region stays mapped until exit",
+                              self.cfg.shutdown_timeout_s)
+                    self.region = None  # never unmap under a live transfer
+                done, failed = self.data.poll()
+                for tid in done:
+                    self.ctx.on_write_result(tid, True)
+                for tid, r in failed:
+                    self.ctx.on_write_result(tid, False, r)
+            if self.ctl is not None:
+                self.ctl.close()
+            deadline = self.clock() + 2.0
+            self._flush_events()
+            while self.pending and self.clock() < deadline and self.cmd.peer_alive():
+                time.sleep(0.001)
+                self._flush_events()
+            if self.pending:
+                log.warning("%d events could not be delivered: the adapter is gone or not reading", len(self.pending))
+        finally:
+            if self.region is not None:
+                self.region.close()
+            if self.metrics is not None:
+                self.metrics.close()
+            self.admin.close()
+            self.evt.close()
+            self.cmd.close()
+            log.info("worker stopped: %s", self.stop_reason)
+
+    def _fail_queued_commands(self, reason: str) -> None:
+        while True:
+            try:
+                cmd = self.cmd.try_get()
+            except (msgspec.MsgspecError, UnicodeDecodeError):
+                continue
+            except P2PError:
+                return
+            if cmd is None:
+                return
+            if isinstance(cmd, (api.StoreJob, api.LoadJob)):
+                self._fail_now(cmd.job_id, "store" if isinstance(cmd, api.StoreJob) else "load", reason)
+            elif isinstance(cmd, api.LookupKeys):
+                self.reporter.open_lookup(cmd.lookup_id)
+                self.reporter.lookup_done(cmd.lookup_id, None, reason)
+
+    # ------------------------------------------------------------ status
+    def status(self) -> dict:
+        data = self.data
+        return {
+            "name": self.cfg.name,
+            "pid": os.getpid(),
+            "node_id": self.ctl.node_id if self.ctl else None,
+            "address": self.ctl.address if self.ctl else None,
+            "backend": data.backend if data else None,
+            "fingerprint": self.fingerprint.digest if self.fingerprint else None,
+            "uptime_s": round(self.clock() - self.started, 3),
+            "state": "stopping" if self.stopping else "draining" if self.draining else
+                     "running" if self.ctx else "waiting for region",
+            "region": None if self.region is None else
+                      {"num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes},
+            "sessions": [
+                {"link": link, "peer_id": s.peer_id, "state": s.state.value, "open_loads": s.open_loads,
+                 "close_reason": s.close_reason, **s.counters}
+                for link, s in self.sessions.items()
+            ],
+            "jobs_in_flight": self.reporter.open_jobs,
+            "transfers_in_flight": data.in_flight() if data else 0,
+            "bytes_written": data.stats.bytes_done if data else 0,
+            "transfers": {"done": data.stats.done, "failed": data.stats.failed} if data else {},
+            "parked_requests": len(self.ctx.lot.parcels) if self.ctx else 0,
+            "ring_depth": {"cmd": self.cmd.depth(), "evt": self.evt.depth()},
+            "control": dict(self.ctl.counters) if self.ctl else {},
+            "counters": dict(self.counters),
+        }
+
+
+def _addr_key(address: str) -> str:
+    return address[len("tcp://"):] if address.startswith("tcp://") else address
+
+
+def _to_api(ev) -> api.Event:
+    if isinstance(ev, JobDone):
+        return api.JobFinished(ev.job_id, ev.kind, ev.success, list(ev.keys), ev.nbytes, ev.seconds, ev.reason)
+    if isinstance(ev, LookupAnswer):
+        return api.LookupResult(ev.lookup_id, None if ev.present is None else list(ev.present), ev.reason)
+    if isinstance(ev, ServeLookup):
+        return api.PeerLookup(ev.peer_id, ev.lookup_id, list(ev.keys))
+    if isinstance(ev, SessionUp):
+        return api.PeerUp(ev.peer_id)
+    if isinstance(ev, SessionClosed):
+        return api.PeerDown(ev.peer_id, ev.reason)
+    return ev  # already an api event (Ready, Drained, WorkerError)
