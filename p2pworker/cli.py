@@ -66,6 +66,56 @@ def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, 
     sys.exit(worker.run())
 
 
+def _admin_paths(admin: str | None) -> list[str]:
+    if admin:
+        return [admin]
+    import glob
+
+    return sorted(glob.glob("/tmp/p2pworker-*.admin"))
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+@main.command()
+@click.option("--admin", default=None, help="Admin socket path (default: every /tmp/p2pworker-*.admin).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--timeout", "timeout_s", default=3.0, show_default=True)
+def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
+    """Show workers: peers, session states, jobs in flight, bytes, errors, uptime."""
+    from p2pworker.admin import query
+
+    out = []
+    for path in _admin_paths(admin):
+        try:
+            out.append({"admin": path, **query(path, timeout_s=timeout_s)})
+        except (TimeoutError, OSError) as e:
+            out.append({"admin": path, "error": str(e)})
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    if not out:
+        click.echo("no workers found (no /tmp/p2pworker-*.admin)")
+        return
+    for st in out:
+        if "error" in st:
+            click.echo(f"{st['admin']}: {st['error']}\n")
+            continue
+        click.echo(f"worker {st['name']} (pid {st['pid']})  {st['state']}  up {st['uptime_s']:.0f} s")
+        click.echo(f"  control {st['address']}  data {st['backend']}  fingerprint {st['fingerprint']}")
+        click.echo(f"  jobs in flight {st['jobs_in_flight']}  transfers in flight {st['transfers_in_flight']}  "
+                   f"bytes written {st['bytes_written']}  parked requests {st['parked_requests']}")
+        click.echo(f"  errors {st['counters'].get('errors', 0)}  protocol errors {st['counters'].get('protocol_errors', 0)}"
+                   f"  peer deaths {st['counters'].get('peer_deaths', 0)}")
+        if st["sessions"]:
+            rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s["close_reason"]] for s in st["sessions"]]
+            click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "closed because"]).replace("\n", "\n  "))
+        click.echo("")
+
+
 @main.command("bench-ring")
 @click.option("-n", "--round-trips", default=20000, show_default=True, help="Round trips per contender.")
 @click.option("--warmup", default=2000, show_default=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import signal
 import time
@@ -122,6 +123,7 @@ class Worker:
 
     def step(self) -> bool:
         """One loop iteration; True when more work is expected soon (do not sleep long)."""
+        self.counters["loops"] += 1
         did = self._take_commands()
         if self.ctl is not None:
             for ev in self.ctl.poll(0):
@@ -174,7 +176,7 @@ class Worker:
             if self.ctl is not None:
                 for sock in self.ctl.sockets():
                     poller.register(sock, zmq.POLLIN)
-            poller.poll(max(0, int(timeout_s * 1000)))
+            poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
         finally:
             self.cmd.disarm()
 

@@ -1,0 +1,205 @@
+"""Two real workers launched through the CLI, driven through their rings by a harness that plays the adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2pworker import api
+from p2pworker.client import WorkerClient
+from p2pworker.shm import KVRegion
+from p2pworker.shm.liveness import process_alive, start_time
+from p2pworker.shm.sweep import leftovers, sweep
+
+ENV = {"P2PWORKER_SECRET": "worker-tests"}
+BIN = Path(sys.executable).with_name("p2pworker")
+
+
+def finished(client: WorkerClient, job_ids: set[int], timeout_s: float = 30.0) -> dict[int, api.JobFinished]:
+    """Wait until every job in ``job_ids`` is reported; fail on a duplicate report."""
+    got: dict[int, api.JobFinished] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(got) != job_ids:
+        assert time.monotonic() < deadline, f"jobs {job_ids - set(got)} not reported in {timeout_s} s"
+        for ev in client.poll():
+            if isinstance(ev, api.JobFinished):
+                assert ev.job_id not in got, f"job {ev.job_id} reported twice"
+                got[ev.job_id] = ev
+        if not client.alive() and set(got) != job_ids:
+            raise AssertionError(f"worker died with jobs {job_ids - set(got)} unreported")
+        time.sleep(0.001)
+    return got
+
+
+@pytest.fixture
+def pair(shm_prefix, tmp_path):
+    """Two regions (random bytes), two workers attached to them."""
+    regions, clients = [], []
+    try:
+        for i, name in enumerate(("wa", "wb")):
+            reg = KVRegion.create(f"{shm_prefix}{name}", 128, 64 * 1024, segment_bytes=2 << 20)
+            reg.array()[:] = np.random.default_rng(i).integers(0, 256, size=(128, 64 * 1024), dtype=np.uint8)
+            regions.append(reg)
+            c = WorkerClient(name, args=["--port", "0", "--admin", str(tmp_path / f"{name}.admin")], env=ENV)
+            clients.append(c)
+        for c, reg in zip(clients, regions):
+            c.attach(reg.handle, {"model": "test"})
+        yield clients, regions
+    finally:
+        codes = [c.close() for c in clients]
+        for reg in regions:
+            reg.close()
+    assert codes == [0, 0], f"worker exit codes {codes}"
+
+
+def test_two_workers_move_blocks_byte_exact_both_ways_and_inspect_sees_them(pair, tmp_path):
+    (a, b), (ra, rb) = pair
+    rng = np.random.default_rng(5)
+    job = 0
+    for src, dst, rsrc, rdst in ((a, b, ra, rb), (b, a, rb, ra)):
+        req = f"req-{src.name}"
+        src_rows = rng.permutation(128)[:40]
+        dst_rows = rng.permutation(128)[:40]
+        keys = [b"%s-%d" % (src.name.encode(), i) for i in range(40)]
+        expect = rsrc.array()[src_rows].copy()
+        assert src.send(api.StoreJob(job + 1, req, keys, src_rows.tolist()))
+        assert dst.send(api.LoadJob(job + 2, src.ready.address, req, keys, dst_rows.tolist()))
+        loads = finished(dst, {job + 2})
+        stores = finished(src, {job + 1})
+        assert loads[job + 2].success and loads[job + 2].keys == keys
+        assert stores[job + 1].success
+        assert (rdst.array()[dst_rows] == expect).all(), f"{src.name} -> {dst.name}: bytes differ"
+        job += 2
+    res = subprocess.run([str(BIN), "inspect", "--json", "--admin", str(tmp_path / "wa.admin")],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    (st,) = json.loads(res.stdout)
+    assert st["name"] == "wa" and st["state"] == "running" and st["backend"] == "nixl"
+    assert st["jobs_in_flight"] == 0 and st["bytes_written"] == 40 * 64 * 1024
+    assert {s["peer_id"] for s in st["sessions"] if s["state"] == "active"} == {b.ready.node_id}
+    res = subprocess.run([str(BIN), "inspect", "--admin", str(tmp_path / "wb.admin")],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "worker wb" in res.stdout and "active" in res.stdout
+
+
+def test_shutdown_command_fails_parked_work_once_and_exits_0(pair):
+    (a, b), _ = pair
+    assert a.send(api.StoreJob(1, "never-fetched", [b"k"], [3]))
+    assert a.send(api.Shutdown("test"))
+    got = finished(a, {1})
+    assert not got[1].success and "shutting down" in got[1].reason
+    assert a.proc.wait(15) == 0
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_during_a_large_transfer_exits_0_with_every_job_reported(shm_prefix, tmp_path):
+    cfg = tmp_path / "slow.toml"  # small pieces: the transfer spans many loop turns
+    cfg.write_text("[data]\nmax_piece_bytes = 1048576\npost_budget_bytes = 1048576\n")
+    nb, bb = 1024, 256 * 1024
+    with KVRegion.create(shm_prefix + "p", nb, bb) as rp, KVRegion.create(shm_prefix + "c", nb, bb) as rc:
+        rp.array()[:] = 7
+        prod = WorkerClient("prod", config_path=str(cfg), args=["--port", "0", "--admin", str(tmp_path / "p.admin")], env=ENV)
+        cons = WorkerClient("cons", args=["--port", "0"], env=ENV)
+        try:
+            prod.attach(rp.handle)
+            cons.attach(rc.handle)
+            keys = [b"%d" % i for i in range(nb)]
+            assert prod.send(api.StoreJob(1, "big", keys, list(range(nb))))
+            assert cons.send(api.LoadJob(2, prod.ready.address, "big", keys, list(range(nb))))
+            from p2pworker.admin import query
+            deadline = time.monotonic() + 20
+            while query(str(tmp_path / "p.admin"))["transfers_in_flight"] == 0:
+                assert time.monotonic() < deadline, "the transfer never started"
+            prod.proc.send_signal(signal.SIGTERM)
+            assert prod.proc.wait(20) == 0
+            store = finished(prod, {1}, timeout_s=5)[1]
+            load = finished(cons, {2}, timeout_s=30)[2]
+            assert not store.success and "SIGTERM" in store.reason
+            assert not load.success  # the producer went away mid-transfer
+            cons.send(api.LoadJob(3, prod.ready.address, "big", keys[:1], [0]))  # the consumer keeps serving
+            assert not finished(cons, {3}, timeout_s=10)[3].success
+        finally:
+            assert cons.close() == 0
+            prod.close()
+    assert not leftovers(f"p2pw_prod_{os.getpid()}") and not leftovers(f"p2pw_cons_{os.getpid()}")
+    assert not (tmp_path / "p.admin").exists()
+
+
+def _adapter_then_hang(region_name: str, admin: str, q) -> None:
+    os.environ.update(ENV)
+    reg = KVRegion.create(region_name, 16, 4096)
+    c = WorkerClient("orphan", args=["--port", "0", "--admin", admin])
+    c.attach(reg.handle)
+    q.put((c.proc.pid, start_time(c.proc.pid), c.prefix))
+    time.sleep(120)
+
+
+@pytest.mark.timeout(90)
+def test_worker_exits_cleanly_within_5s_when_the_adapter_is_killed(children, shm_prefix, tmp_path):
+    q = children.ctx.Queue()
+    harness = children.start(_adapter_then_hang, shm_prefix + "orphan", str(tmp_path / "o.admin"), q)
+    pid, started, prefix = q.get(timeout=60)
+    os.kill(harness.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while process_alive(pid, started):
+        assert time.monotonic() - killed < 5.0, "worker still running 5 s after its adapter died"
+        time.sleep(0.05)
+    took = time.monotonic() - killed
+    assert not leftovers(prefix), "ring files left behind"
+    assert not (tmp_path / "o.admin").exists(), "admin socket left behind"
+    assert sweep(shm_prefix + "orphan")  # the killed harness owned the region file; nobody else may unlink it
+    print(f"worker exited {took:.2f} s after its adapter was killed")
+
+
+@pytest.mark.timeout(60)
+def test_idle_worker_uses_under_2_percent_of_a_core(pair):
+    (a, b), (ra, rb) = pair
+    assert b.send(api.OpenSession(a.ready.address))  # a live session with heartbeats, nothing else
+    b.wait_for(lambda e: isinstance(e, api.PeerUp))
+
+    def cpu_s(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = [cpu_s(c.proc.pid) for c in (a, b)]
+    time.sleep(10)
+    used = [cpu_s(c.proc.pid) - b0 for c, b0 in zip((a, b), before)]
+    print(f"idle CPU over 10 s: {used[0]:.3f} s and {used[1]:.3f} s")
+    assert max(used) < 0.2, f"an idle worker used {max(used) / 10:.1%} of a core"
+
+
+def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with KVRegion.create(shm_prefix + "m", 8, 4096) as reg:
+        c = WorkerClient("metrics", args=["--port", "0", "--metrics-port", str(port)], env=ENV)
+        try:
+            c.attach(reg.handle)
+            c.send(api.StoreJob(1, "r", [b"k"], [0]))
+            c.send(api.Shutdown())
+            finished(c, {1})
+        finally:
+            c.close()
+    # the worker is gone now; check a live one instead
+    with KVRegion.create(shm_prefix + "m2", 8, 4096) as reg:
+        c = WorkerClient("metrics2", args=["--port", "0", "--metrics-port", str(port)], env=ENV)
+        try:
+            c.attach(reg.handle)
+            c.send(api.LoadJob(1, "127.0.0.1:1", "r", [b"k"], [0]))  # unreachable peer: fails within the deadline
+            finished(c, {1}, timeout_s=10)
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            assert 'p2pworker_jobs_total{kind="load",outcome="failed"} 1.0' in body
+            assert "p2pworker_transfers_in_flight 0.0" in body and "p2pworker_sessions" in body
+        finally:
+            assert c.close() == 0
