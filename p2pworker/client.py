@@ -49,7 +49,7 @@ class WorkerClient:
                 argv += ["--config", config_path]
             argv += args or []
             self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
-                                         stderr=stderr)
+                                         stdout=stderr, stderr=stderr)  # NIXL logs to stdout
 
     # ------------------------------------------------------------ never blocking
     def send(self, cmd: api.Command) -> bool:
@@ -63,6 +63,16 @@ class WorkerClient:
             if ev is None:
                 return out
             out.append(ev)
+
+    def wait(self, timeout_s: float) -> list[api.Event]:
+        """Tools only (never vLLM's scheduler): sleep on the event ring's bell until events arrive."""
+        events = self.poll()
+        if events:
+            return events
+        try:
+            return [self.evt.get(timeout_s=timeout_s)] + self.poll()
+        except TimeoutError:
+            return []
 
     def alive(self) -> bool:
         return self.evt.peer_alive() and (self.proc is None or self.proc.poll() is None)

@@ -28,6 +28,7 @@ class WorkerConfig:
     idle_poll_s: float = 0.1  # longest sleep when idle
     busy_poll_s: float = 0.001  # poll period while transfers may be landing (drives NIXL progress)
     shutdown_timeout_s: float = 10.0  # bound on draining in-flight transfers at shutdown
+    prefault: bool = True  # pre-fault the region's page tables at attach (MAP_POPULATE)
     control: ControlConfig = field(default_factory=ControlConfig)
     data: DataConfig = field(default_factory=DataConfig)
     session: SessionConfig = field(default_factory=SessionConfig)

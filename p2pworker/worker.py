@@ -166,6 +166,8 @@ class Worker:
         return any(s.open_loads for s in self.sessions.values())
 
     def _sleep(self, busy: bool) -> None:
+        if self.data is not None and self.data.has_backlog():
+            return  # pieces are ready to post: no sleeping
         timeout_s = self.cfg.busy_poll_s if busy else max(0.0, min(self.cfg.idle_poll_s, self._next_tick - self.clock()))
         if self.cmd.arm():
             return
@@ -262,7 +264,7 @@ class Worker:
         if self.region is not None:
             raise P2PError("a region is attached already")
         cfg = self.cfg
-        region = KVRegion.attach(cmd.handle)
+        region = KVRegion.attach(cmd.handle, populate=cfg.prefault)
         try:
             self.fingerprint = Fingerprint.build(
                 block_bytes=region.block_bytes, protocol_version=PROTOCOL_VERSION, identity=cmd.identity

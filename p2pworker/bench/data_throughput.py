@@ -77,7 +77,8 @@ def _interleaved_gbps(fns: dict, nbytes: int, reps: int, batch_bytes: int) -> di
     return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in samples.items()}
 
 
-def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: int, seed: int = 0) -> list[dict]:
+def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: int, seed: int = 0,
+                   only: set[str] | None = None, patterns: tuple[str, ...] = ("contig", "scattered")) -> list[dict]:
     from nixl._api import nixl_agent, nixl_agent_config
 
     from p2pworker.data.base import PeerDataInfo, coalesce
@@ -116,7 +117,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
         src_arr, dst_arr = src.array(), dst.array()
 
         for n in counts:
-            for pattern in ("contig", "scattered"):
+            for pattern in patterns:
                 lr, rr = _rows(pattern, n, num_blocks, rng)
                 nbytes = n * block_bytes
                 runs = len(coalesce(lr, rr))
@@ -147,11 +148,10 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                     else:
                         dst_arr[rr] = src_arr[lr]
 
-                gbps = _interleaved_gbps(
-                    {"raw_nixl": raw_once, "p2pworker_nixl": transport_once(ours),
-                     "p2pworker_zmq": transport_once(fb), "memcpy": memcpy_once},
-                    nbytes, reps, batch_bytes,
-                )
+                fns = {"raw_nixl": raw_once, "p2pworker_nixl": transport_once(ours),
+                       "p2pworker_zmq": transport_once(fb), "memcpy": memcpy_once}
+                gbps = _interleaved_gbps({k: f for k, f in fns.items() if only is None or k in only},
+                                         nbytes, reps, batch_bytes)
                 descs = {"raw_nixl": n, "p2pworker_nixl": ours.stats.last_descriptors,
                          "p2pworker_zmq": fb.stats.last_descriptors, "memcpy": runs}
                 results = {c: (gbps[c], descs[c]) for c in gbps}

@@ -161,6 +161,10 @@ class DataTransport(abc.ABC):
         """Transfers submitted and not yet reported."""
 
     @abc.abstractmethod
+    def has_backlog(self) -> bool:
+        """Pieces are ready to post now (a poll loop should not sleep)."""
+
+    @abc.abstractmethod
     def close(self, timeout_s: float = 10.0) -> bool:
         """Cancel and wait for in-flight transfers, THEN deregister.  Idempotent.
 

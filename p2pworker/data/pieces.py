@@ -249,6 +249,10 @@ class PieceTransport(DataTransport):
     def in_flight(self) -> int:
         return len(self._transfers)
 
+    def has_backlog(self) -> bool:
+        """True when a transfer has pieces ready to post now (the caller should not sleep)."""
+        return any(t.pieces and t.error is None and not t.posted for t in self._transfers.values())
+
     def close(self, timeout_s: float = 10.0) -> bool:
         if self._closed:
             return True

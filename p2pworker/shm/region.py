@@ -117,7 +117,7 @@ class KVRegion:
     :meth:`buffer`/:meth:`array` must not be used after :meth:`close`.
     """
 
-    def __init__(self, handle: RegionHandle, *, owner: bool):
+    def __init__(self, handle: RegionHandle, *, owner: bool, populate: bool = False):
         handle.validate()
         self.handle = handle
         self.owner = owner
@@ -141,7 +141,7 @@ class KVRegion:
             base = vm.reserve(self._reserved)
             at = base
             for seg, fd in zip(handle.segments, fds):
-                vm.map_file_fixed(at, seg.nbytes, fd, seg.file_offset)
+                vm.map_file_fixed(at, seg.nbytes, fd, seg.file_offset, populate)
                 at += seg.nbytes
         except BaseException:
             if base:
@@ -203,9 +203,14 @@ class KVRegion:
             raise
 
     @classmethod
-    def attach(cls, handle: RegionHandle) -> "KVRegion":
-        """Map the files a handle names (created by another process)."""
-        return cls(handle, owner=False)
+    def attach(cls, handle: RegionHandle, *, populate: bool = False) -> "KVRegion":
+        """Map the files a handle names (created by another process).
+
+        ``populate`` pre-faults the page tables (the worker does: a cold region
+        otherwise costs a page fault per 4 KiB page during the first transfers,
+        measured here as 3x lower throughput on the first pass over 512 MiB).
+        """
+        return cls(handle, owner=False, populate=populate)
 
     @classmethod
     def attach_files(cls, name: str, num_blocks: int, block_bytes: int) -> "KVRegion":

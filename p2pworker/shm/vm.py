@@ -22,6 +22,7 @@ PAGE_BYTES = mmap.PAGESIZE
 MAP_FAILED = ctypes.c_void_p(-1).value
 MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
+MAP_POPULATE = 0x8000
 PROT_NONE = 0
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 
@@ -39,10 +40,15 @@ def reserve(nbytes: int) -> int:
     return _check(_libc.mmap(None, nbytes, PROT_NONE, flags, -1, 0), f"reserve {nbytes} bytes")
 
 
-def map_file_fixed(addr: int, nbytes: int, fd: int, file_offset: int) -> None:
-    """Map ``nbytes`` of ``fd`` from ``file_offset`` shared, read-write, exactly at ``addr``."""
+def map_file_fixed(addr: int, nbytes: int, fd: int, file_offset: int, populate: bool = False) -> None:
+    """Map ``nbytes`` of ``fd`` from ``file_offset`` shared, read-write, exactly at ``addr``.
+
+    ``populate`` pre-faults the page tables now (MAP_POPULATE), so the first
+    transfers into the range do not pay a page fault per page.
+    """
+    flags = mmap.MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
     got = _check(
-        _libc.mmap(addr, nbytes, PROT_RW, mmap.MAP_SHARED | MAP_FIXED, fd, file_offset),
+        _libc.mmap(addr, nbytes, PROT_RW, flags, fd, file_offset),
         f"map {nbytes} bytes of fd {fd} at {addr:#x}",
     )
     if got != addr:  # pragma: no cover - MAP_FIXED either succeeds at addr or fails

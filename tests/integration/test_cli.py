@@ -36,3 +36,21 @@ def test_sweep_removes_only_its_prefix(shm_prefix):
     assert res.returncode == 0 and res.stdout.split() == [mine]
     assert not os.path.exists(mine)
     assert _run("sweep", "").returncode != 0  # an empty prefix would match everything
+
+
+def test_demo_moves_and_verifies_and_cleans_up():
+    res = _run("demo", "--requests", "6", "--blocks", "16", "--block-kib", "64", "--inflight", "2", timeout_s=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "verified byte-exact: 6/6 requests; mismatches 0; failures 0; worker exit codes [0, 0]" in res.stdout
+    assert "demo OK" in res.stdout
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(("p2pw_pd_", "p2pw_prefill_", "p2pw_decode_"))]
+
+
+def test_bench_reports_workers_vs_raw_nixl():
+    res = _run("bench", "--json", "--block-kib", "64", "--blocks", "16", "--requests", "4", "--inflight", "2",
+               timeout_s=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert row["block_bytes"] == 65536 and row["blocks"] == 16
+    assert row["workers_gbps"] > 0 and row["raw_nixl_gbps"] > 0
+    assert row["ratio"] == round(row["workers_gbps"] / row["raw_nixl_gbps"], 3)
