@@ -118,6 +118,69 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
         click.echo("")
 
 
+@main.command()
+@click.argument("address")
+@click.option("--expect-fingerprint", default=None, help="Fingerprint digest this worker must match.")
+@click.option("--timeout", "timeout_s", default=5.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json: bool) -> None:
+    """Handshake with the worker at ADDRESS (host:port): round-trip time and fingerprint.
+
+    Uses the shared secret from $P2PWORKER_SECRET; a wrong secret is reported
+    as an authentication failure.  Exit status 1 when unreachable, rejected or
+    (with --expect-fingerprint) incompatible.
+    """
+    from p2pworker.control import ControlConfig, LinkDown, LinkUp, Received, ZmqControl
+    from p2pworker.errors import P2PError
+    from p2pworker.protocol import messages as m
+
+    try:
+        ctl = ZmqControl(ControlConfig(port=0, heartbeat_interval_s=timeout_s / 3))
+    except P2PError as e:
+        raise click.ClickException(str(e)) from e
+    try:
+        t0 = time.perf_counter()
+        link = ctl.connect(address)
+        info = up_s = probe_s = None
+        deadline = time.monotonic() + timeout_s
+        while info is None and time.monotonic() < deadline:
+            for ev in ctl.poll(10):
+                if isinstance(ev, LinkDown):
+                    raise click.ClickException(f"{address}: {ev.reason}")
+                if isinstance(ev, LinkUp):
+                    up_s = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    ctl.send(link, m.encode(m.Probe(m.PROTOCOL_VERSION)))
+                if isinstance(ev, Received):
+                    msg = m.decode(ev.payload)
+                    if isinstance(msg, m.ProbeInfo):
+                        probe_s = time.perf_counter() - t1
+                        info = msg
+        if info is None:
+            raise click.ClickException(f"{address}: no answer within {timeout_s} s")
+    except P2PError as e:
+        raise click.ClickException(f"{address}: {e}") from e
+    finally:
+        ctl.close()
+    compatible = None if expect_fingerprint is None else info.fingerprint.digest == expect_fingerprint
+    out = {"address": address, "node_id": info.peer_id, "protocol_version": info.version,
+           "handshake_ms": round(up_s * 1000, 3), "rtt_ms": round(probe_s * 1000, 3),
+           "fingerprint": info.fingerprint.digest, "fingerprint_fields": info.fingerprint.fields,
+           "backend": info.backend, "num_blocks": info.num_blocks, "block_bytes": info.block_bytes,
+           "compatible": compatible}
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"pong from {info.peer_id} at {address}: authenticated handshake {out['handshake_ms']} ms, "
+                   f"round trip {out['rtt_ms']} ms")
+        click.echo(f"  protocol v{info.version}, data backend {info.backend}, region {info.num_blocks} x {info.block_bytes} B")
+        click.echo(f"  fingerprint {info.fingerprint.digest}: {info.fingerprint.fields}")
+        if compatible is not None:
+            click.echo(f"  compatible with {expect_fingerprint}: {'yes' if compatible else 'NO'}")
+    if compatible is False:
+        sys.exit(1)
+
+
 @main.command("bench-ring")
 @click.option("-n", "--round-trips", default=20000, show_default=True, help="Round trips per contender.")
 @click.option("--warmup", default=2000, show_default=True)

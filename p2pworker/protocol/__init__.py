@@ -11,6 +11,8 @@ from p2pworker.protocol.messages import (
     Lookup,
     LookupResp,
     Message,
+    Probe,
+    ProbeInfo,
     TransferDone,
     decode,
     encode,
@@ -18,5 +20,5 @@ from p2pworker.protocol.messages import (
 
 __all__ = [
     "PROTOCOL_VERSION", "AbortAck", "AbortFetch", "Bye", "Fetch", "Hello", "HelloAck", "Lookup",
-    "LookupResp", "Message", "TransferDone", "decode", "encode",
+    "LookupResp", "Message", "Probe", "ProbeInfo", "TransferDone", "decode", "encode",
 ]

@@ -89,11 +89,26 @@ class LookupResp(msgspec.Struct, tag="lookup_resp", forbid_unknown_fields=True):
     present: Annotated[list[bool], Meta(max_length=MAX_KEYS)]
 
 
+class Probe(msgspec.Struct, tag="probe", forbid_unknown_fields=True):
+    """``p2pworker ping``: ask for the peer's identity without opening a session."""
+
+    version: int
+
+
+class ProbeInfo(msgspec.Struct, tag="probe_info", forbid_unknown_fields=True):
+    version: int
+    peer_id: Id
+    fingerprint: Fingerprint
+    backend: Annotated[str, Meta(max_length=32)]
+    num_blocks: Count
+    block_bytes: Count
+
+
 class Bye(msgspec.Struct, tag="bye", forbid_unknown_fields=True):
     reason: Reason = ""
 
 
-Message = Union[Hello, HelloAck, Fetch, TransferDone, AbortFetch, AbortAck, Lookup, LookupResp, Bye]
+Message = Union[Hello, HelloAck, Fetch, TransferDone, AbortFetch, AbortAck, Lookup, LookupResp, Probe, ProbeInfo, Bye]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -50,7 +50,7 @@ class State(enum.Enum):
 
 _RUNNING = frozenset({m.Fetch, m.TransferDone, m.AbortFetch, m.AbortAck, m.Lookup, m.LookupResp, m.Bye})
 ALLOWED: dict[State, frozenset] = {
-    State.IDLE: frozenset({m.Hello, m.Bye}),
+    State.IDLE: frozenset({m.Hello, m.Probe, m.Bye}),
     State.HELLO_SENT: frozenset({m.HelloAck, m.Bye}),
     State.ACTIVE: _RUNNING,
     State.CLOSED: frozenset(),
@@ -135,6 +135,7 @@ class Session:
             m.AbortAck: self._on_abort_ack,
             m.Lookup: self._on_lookup,
             m.LookupResp: self._on_lookup_resp,
+            m.Probe: self._on_probe,
             m.Bye: self._on_bye,
         }
 
@@ -225,10 +226,17 @@ class Session:
             return
         self._activate(msg.peer_id, msg.data)
 
+    def _on_probe(self, msg: m.Probe) -> None:
+        """Answer who we are (no data-plane registration), then close quietly."""
+        ctx = self.ctx
+        self._emit(m.ProbeInfo(m.PROTOCOL_VERSION, ctx.node_id, ctx.fingerprint, ctx.data_info.backend,
+                               ctx.data_info.num_blocks, ctx.data_info.block_bytes))
+        self.close("probed", quiet=True)
+
     def _on_bye(self, msg: m.Bye) -> None:
         self.close(f"peer said bye: {msg.reason}" if msg.reason else "peer said bye")
 
-    def close(self, reason: str, *, bye: bool = False) -> None:
+    def close(self, reason: str, *, bye: bool = False, quiet: bool = False) -> None:
         """Fail every job of this session once, release its parcels, forget the peer.  Idempotent."""
         if self.state is State.CLOSED:
             return
@@ -257,7 +265,8 @@ class Session:
         self._parcels.clear()
         if self._data_added:
             ctx.data.remove_peer(self.peer_id)
-        ctx.reporter.emit(SessionClosed(self.peer_id, reason))
+        if not quiet:
+            ctx.reporter.emit(SessionClosed(self.peer_id, reason))
 
     # ------------------------------------------------------------ client role
     def load(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]) -> None:

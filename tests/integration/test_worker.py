@@ -203,3 +203,21 @@ def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
             assert "p2pworker_transfers_in_flight 0.0" in body and "p2pworker_sessions" in body
         finally:
             assert c.close() == 0
+
+
+def test_ping_reports_rtt_and_fingerprint_and_refuses_a_wrong_secret(pair):
+    (a, _), _ = pair
+    env = {**os.environ, **ENV}
+    res = subprocess.run([str(BIN), "ping", a.ready.address, "--json", "--expect-fingerprint", a.ready.fingerprint],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["node_id"] == a.ready.node_id and out["compatible"] is True and out["rtt_ms"] > 0
+    assert out["fingerprint_fields"]["model.model"] == "test" and out["block_bytes"] == 64 * 1024
+    res = subprocess.run([str(BIN), "ping", a.ready.address, "--expect-fingerprint", "0" * 16],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 1 and "compatible with 0000000000000000: NO" in res.stdout
+    res = subprocess.run([str(BIN), "ping", a.ready.address], capture_output=True, text=True, timeout=60,
+                         env={**env, "P2PWORKER_SECRET": "wrong"})
+    assert res.returncode == 1 and "failed to prove the shared secret" in res.stderr
+    assert not [e for e in a.poll() if isinstance(e, api.PeerDown)]  # a probe is not a peer
