@@ -82,6 +82,7 @@ class Worker:
         self.stopping = False
         self.stop_reason = ""
         self.draining = False
+        self._drained_sent = False
         self._signals = 0
         self._next_tick = clock()
         self._next_liveness = clock()
@@ -148,8 +149,8 @@ class Worker:
                 s.tick()
             if self.ctx is not None:
                 self.ctx.lot.tick()
-            if self.draining and self.reporter.open_jobs == 0 and not self._in_flight():
-                self.draining = False
+            if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
+                self._drained_sent = True  # draining stays in force: new work is still refused
                 self.reporter.emit(api.Drained())
         if now >= self._next_liveness:
             self._next_liveness = now + LIVENESS_CHECK_S

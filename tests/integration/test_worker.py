@@ -221,3 +221,15 @@ def test_ping_reports_rtt_and_fingerprint_and_refuses_a_wrong_secret(pair):
                          env={**env, "P2PWORKER_SECRET": "wrong"})
     assert res.returncode == 1 and "failed to prove the shared secret" in res.stderr
     assert not [e for e in a.poll() if isinstance(e, api.PeerDown)]  # a probe is not a peer
+
+
+def test_drain_reports_drained_once_nothing_is_in_flight_and_refuses_new_work(pair):
+    (a, b), _ = pair
+    assert a.send(api.StoreJob(1, "r", [b"k"], [1]))
+    assert b.send(api.LoadJob(2, a.ready.address, "r", [b"k"], [2]))
+    assert a.send(api.Drain())
+    finished(b, {2})
+    a.wait_for(lambda e: isinstance(e, api.Drained), timeout_s=10)
+    assert a.send(api.StoreJob(3, "r2", [b"k"], [1]))
+    got = finished(a, {1, 3})
+    assert got[1].success and not got[3].success and "draining" in got[3].reason
