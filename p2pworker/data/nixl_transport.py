@@ -62,14 +62,7 @@ class NixlTransport(PieceTransport):
         self._reg = agent.register_memory([(region.address, region.nbytes, 0, "")], "DRAM")
 
     def local_info(self) -> PeerDataInfo:
-        return PeerDataInfo(
-            backend=self.backend,
-            agent_name=self.agent_name,
-            base_address=self._region.address,
-            num_blocks=self._region.num_blocks,
-            block_bytes=self._bb,
-            metadata=self._agent.get_agent_metadata(),
-        )
+        return self._info(metadata=self._agent.get_agent_metadata())
 
     def _remote_add(self, peer: Peer, info: PeerDataInfo) -> None:
         try:

@@ -77,6 +77,13 @@ class PieceTransport(DataTransport):
     def region(self) -> KVRegion:
         return self._region
 
+    def _info(self, **backend_fields) -> PeerDataInfo:
+        """This region's PeerDataInfo plus the backend's own fields (metadata, endpoint, ...)."""
+        return PeerDataInfo(
+            backend=self.backend, agent_name=self.agent_name, base_address=self._region.address,
+            num_blocks=self._region.num_blocks, block_bytes=self._bb, **backend_fields,
+        )
+
     # ------------------------------------------------------------ peers
     def add_peer(self, peer_id: str, info: PeerDataInfo) -> None:
         if self._closed:

@@ -84,15 +84,7 @@ class ZmqTransport(PieceTransport):
         self.rejected_writes = 0
 
     def local_info(self) -> PeerDataInfo:
-        return PeerDataInfo(
-            backend=self.backend,
-            agent_name=self.agent_name,
-            base_address=self._region.address,
-            num_blocks=self._region.num_blocks,
-            block_bytes=self._bb,
-            endpoint=self.endpoint,
-            token=self._token,
-        )
+        return self._info(endpoint=self.endpoint, token=self._token)
 
     # ------------------------------------------------------------ sender side
     def _remote_add(self, peer: Peer, info: PeerDataInfo) -> None:
