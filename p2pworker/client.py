@@ -43,8 +43,12 @@ class WorkerClient:
         self.proc: subprocess.Popen | None = None
         self.ready: api.Ready | None = None
         self.backlog: list[api.Event] = []
+        self.admin_path: str | None = None
         if spawn:
             argv = [sys.executable, "-m", "p2pworker.cli", "launch", "--name", name, "--rings", self.prefix]
+            if "--admin" not in (args or []):  # ours to remove if the worker is killed
+                self.admin_path = f"/tmp/p2pworker-{name}-{self.prefix.rsplit('_', 1)[-1]}.admin"
+                argv += ["--admin", self.admin_path]
             if config_path:
                 argv += ["--config", config_path]
             argv += args or []
@@ -128,6 +132,8 @@ class WorkerClient:
             pass
         self.cmd.close()
         self.evt.close()
+        if self.admin_path and os.path.exists(self.admin_path):  # a killed worker could not remove it
+            os.unlink(self.admin_path)
         return code
 
     def __enter__(self) -> "WorkerClient":

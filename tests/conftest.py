@@ -11,6 +11,11 @@ import pytest
 from p2pworker.shm.sweep import leftovers, sweep
 
 RUN_PREFIX = f"p2pwt{os.getpid()}_"
+
+try:  # tests/vllm runs in the vLLM venvs (scripts/test.sh); the worker's venv has no vLLM
+    import vllm  # noqa: F401
+except ImportError:
+    collect_ignore = ["vllm"]
 _counter = itertools.count()
 
 
@@ -26,10 +31,15 @@ def shm_prefix(request):
 
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_leftovers_after_suite():
+    import glob
+
+    admin_before = set(glob.glob("/tmp/p2pworker-*.admin"))
     yield
     left = leftovers(RUN_PREFIX)
     sweep(RUN_PREFIX)
     assert not left, f"the suite left /dev/shm entries behind: {left}"
+    admin_left = set(glob.glob("/tmp/p2pworker-*.admin")) - admin_before
+    assert not admin_left, f"the suite left worker admin sockets behind: {sorted(admin_left)}"
 
 
 class Children:

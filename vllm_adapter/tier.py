@@ -1,0 +1,340 @@
+"""P2PWorkerTier: vLLM's out-of-tree secondary tier that drives a p2pworker process.
+
+Loaded by vLLM 0.32/0.33's TieringOffloadingSpec from
+``kv_connector_extra_config["secondary_tiers"]``::
+
+    {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier",
+     "host": "127.0.0.1", "port": 5710, "worker_config": "configs/prefill.toml"}
+
+Every method runs in vLLM's scheduler process under the tiering manager's
+lock and never blocks: commands go to the worker with ``try_put`` on a
+shared-memory ring, results come back with ``try_get``.  The only waits are in
+``__init__`` (the worker starting, at engine start-up) and ``drain_jobs`` /
+``shutdown`` (whose contracts are to wait).
+
+``tolerates_off_thread_polling = True`` (0.33): ``get_finished_jobs`` only
+reads the event ring and this object's own dictionaries, which the manager's
+lock already serialises, so letting vLLM's tier-poll thread call it between
+engine steps is safe, and it reports finished loads sooner (lower TTFT).
+
+Roles, from ``kv_transfer_params`` (vLLM's keys):
+
+- ``remote_decoder: {kv_request_id}``: producer (prefill).  Stores are parked in
+  the worker under ``kv_request_id`` until the consumer's fetch binds them;
+  ``on_new_request`` asks for REQUEST_LEVEL offloading so prefix hits cascade too.
+- ``remote_prefiller: {kv_request_id, remote_host, remote_port}``: PD consumer
+  (decode).  Lookups answer HIT (the producer has or will have the blocks);
+  ``submit_load`` asks the producer's worker to write them into our rows.  After
+  a failed load the request's lookups answer MISS, so vLLM recomputes.
+- ``remote_kv_source``: symmetric sharing is not implemented yet: MISS, logged once.
+
+Worker supervision: a dead worker fails every job in flight exactly once,
+lookups answer MISS, and a new worker is started after a bounded backoff
+without blocking the scheduler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable
+
+from vllm.v1.kv_offload.base import (
+    CacheHitSource,
+    Locality,
+    LookupResult,
+    OffloadPolicy,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from p2pworker import api
+from p2pworker.client import WorkerClient
+from p2pworker.control.base import HOST_ENV, default_port
+from p2pworker.errors import P2PError
+from p2pworker.shm.maps import handle_for_range
+
+log = logging.getLogger("vllm_adapter.tier")
+
+RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
+
+
+@dataclass(frozen=True)
+class PDRole:
+    """What a request is to this tier, parsed once from kv_transfer_params."""
+
+    kind: str  # "producer" | "consumer" | "none"
+    kv_request_id: str = ""
+    address: str = ""  # consumer: the producer's worker, host:port
+
+
+def parse_role(params: Any) -> PDRole:
+    """vLLM's kv_transfer_params -> PDRole; invalid params are logged and give role none (MISS)."""
+    if not isinstance(params, dict):
+        return PDRole("none")
+    dec = params.get("remote_decoder")
+    if isinstance(dec, dict):
+        rid = dec.get("kv_request_id")
+        if isinstance(rid, str) and rid:
+            return PDRole("producer", rid)
+        log.error("remote_decoder without a usable kv_request_id: %r; not offloading to peers", dec)
+        return PDRole("none")
+    pre = params.get("remote_prefiller")
+    if isinstance(pre, dict):
+        rid, host, port = pre.get("kv_request_id"), pre.get("remote_host"), pre.get("remote_port")
+        try:
+            port = int(port)
+        except (TypeError, ValueError):
+            port = -1
+        if isinstance(rid, str) and rid and isinstance(host, str) and host and 0 < port < 65536:
+            return PDRole("consumer", rid, f"{host}:{port}")
+        log.error("invalid remote_prefiller %r (need kv_request_id, remote_host, remote_port); recomputing", pre)
+        return PDRole("none")
+    if isinstance(params.get("remote_kv_source"), dict):
+        log.warning("remote_kv_source (symmetric sharing) is not supported by P2PWorkerTier yet: MISS")
+    return PDRole("none")
+
+
+class P2PWorkerTier(SecondaryTierManager):
+    tolerates_off_thread_polling: ClassVar[bool] = True  # 0.33 reads it; 0.32 ignores it
+    cache_hit_source: ClassVar[Any] = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        locality: str | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        worker_config: str | None = None,
+        backend: str = "auto",
+        start_timeout_s: float = 120.0,
+        **unknown: Any,
+    ):
+        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
+                         tier_type=tier_type, backpressure_detector=backpressure_detector)
+        if unknown:
+            log.warning("P2PWorkerTier ignores unknown config keys %s", sorted(unknown))
+        if locality is not None:
+            self.locality = Locality(str(locality).upper())
+        cfg = offloading_spec.config
+        dp = int(getattr(cfg.parallel, "data_parallel_index", 0) or 0)
+        self.host = host or os.environ.get(HOST_ENV, "127.0.0.1")
+        base = int(port) if port is not None else default_port(0)
+        self.port = base + dp  # what peers dial: base + DP index, like vLLM's own p2p tier
+        self.num_blocks = int(primary_kv_view.shape[0])
+        self.block_bytes = int(primary_kv_view.strides[0])
+        address = ctypes.addressof(ctypes.c_char.from_buffer(primary_kv_view))
+        self._handle = handle_for_range(address, self.num_blocks * self.block_bytes, self.num_blocks, self.block_bytes)
+        self._identity = fingerprint_identity(offloading_spec)
+        self._name = f"vllm-{cfg.engine_id}"[:60].replace("/", "_")
+        self._worker_args = ["--host", self.host, "--port", str(base), "--dp-index", str(dp), "--backend", backend]
+        self._worker_config = worker_config
+        self._jobs: dict[int, tuple[str, list[bytes], str, float]] = {}  # job -> (kind, keys, kv_request_id, t0)
+        self._results: list[JobResult] = []
+        self._failed_req_ids: set[str] = set()
+        self._client: WorkerClient | None = None
+        self._ready = False
+        self._restart_at = 0.0
+        self._backoff_s = RESTART_MIN_S
+        self.restarts = 0
+        self._stats = {"loads_ok": 0, "loads_failed": 0, "stores_ok": 0, "stores_failed": 0, "worker_deaths": 0}
+        self._start_worker()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._ready:  # start-up only: the engine is not serving yet
+            self._pump()
+            if self._client is None or time.monotonic() > deadline:
+                raise P2PError(f"p2pworker for {self._name} did not become ready within {start_timeout_s} s")
+            time.sleep(0.01)
+        log.info("P2PWorkerTier: worker %s ready at %s (data %s, fingerprint %s)", self._name,
+                 self._client.ready.address, self._client.ready.backend, self._client.ready.fingerprint)
+
+    # ------------------------------------------------------------ worker lifecycle
+    def _start_worker(self) -> None:
+        try:
+            self._client = WorkerClient(self._name, config_path=self._worker_config, args=self._worker_args)
+            self._ready = False
+            if not self._client.send(api.AttachRegion(self._handle, self._identity)):
+                raise P2PError("command ring full at start")
+        except (P2PError, OSError) as e:
+            log.error("starting p2pworker failed: %s", e)
+            self._client = None
+            self._schedule_restart()
+
+    def _schedule_restart(self) -> None:
+        self._restart_at = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, RESTART_MAX_S)
+
+    def _worker_died(self, why: str) -> None:
+        log.error("p2pworker %s died (%s): failing %d job(s), restarting in %.0f s",
+                  self._name, why, len(self._jobs), self._backoff_s)
+        self._stats["worker_deaths"] += 1
+        now = time.monotonic()
+        for job_id, (kind, _keys, rid, t0) in list(self._jobs.items()):
+            self._finish(job_id, False, None, now - t0, None)
+        client, self._client, self._ready = self._client, None, False
+        if client is not None:
+            try:
+                client.close(timeout_s=0)
+            except Exception as e:  # the rings are ours; closing them must not take vLLM down
+                log.warning("closing the dead worker's rings: %s", e)
+        self._schedule_restart()
+
+    def _pump(self) -> None:
+        """Collect worker events; notice a dead worker; restart one when due.  Never blocks."""
+        client = self._client
+        if client is None:
+            if time.monotonic() >= self._restart_at:
+                self.restarts += 1
+                self._start_worker()
+            return
+        try:
+            events = client.poll()
+        except P2PError as e:
+            events = []
+            log.error("event ring: %s", e)
+        for ev in events:
+            if isinstance(ev, api.JobFinished):
+                entry = self._jobs.get(ev.job_id)
+                if entry is None:
+                    log.error("worker reported unknown job %d; ignored", ev.job_id)
+                    continue
+                self._finish(ev.job_id, ev.success, ev.keys, ev.seconds, ev.nbytes, ev.reason)
+            elif isinstance(ev, api.Ready):
+                self._ready = True
+                self._backoff_s = RESTART_MIN_S
+                client.ready = ev
+                client.cmd.unlink()
+                client.evt.unlink()
+            elif isinstance(ev, api.WorkerError):
+                log.error("p2pworker: %s", ev.message)
+            elif isinstance(ev, api.PeerDown):
+                log.info("p2pworker peer %s down: %s", ev.peer_id, ev.reason)
+        if not client.alive():
+            self._worker_died(f"exit code {client.proc.poll() if client.proc else '?'}")
+
+    def _finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
+        kind, job_keys, rid, _t0 = self._jobs.pop(job_id)
+        if kind == "load":
+            landed = [k for k in (keys or []) if k in set(job_keys)]
+            self._results.append(JobResult(job_id, success, successful_keys=landed, transfer_time=seconds,
+                                           transfer_bytes=nbytes))
+            if not success:
+                self._failed_req_ids.add(rid)  # later lookups MISS: vLLM recomputes, no re-promotion loop
+                log.warning("load for %s failed (%s); recomputing", rid, reason or "worker gone")
+            self._stats["loads_ok" if success else "loads_failed"] += 1
+        else:
+            self._results.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=nbytes))
+            self._stats["stores_ok" if success else "stores_failed"] += 1
+
+    def _send(self, cmd: api.Command) -> bool:
+        return self._client is not None and self._ready and self._client.send(cmd)
+
+    # ------------------------------------------------------------ SecondaryTierManager
+    def on_new_request(self, req_context) -> RequestOffloadingContext:
+        role = parse_role(req_context.kv_transfer_params)
+        req_context.set_state(role)
+        if role.kind == "producer":
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    def _role(self, req_context) -> PDRole:
+        role = req_context.get_state(PDRole)
+        if role is None:
+            role = parse_role(req_context.kv_transfer_params)
+            req_context.set_state(role)
+        return role
+
+    def lookup(self, key, req_context) -> LookupResult:
+        role = self._role(req_context)
+        if role.kind != "consumer" or role.kv_request_id in self._failed_req_ids or not self._ready:
+            return LookupResult.MISS
+        return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
+
+    def submit_store(self, job: TransferJob) -> None:
+        role = self._role(job.req_context)
+        now = time.monotonic()
+        if role.kind != "producer":
+            self._results.append(JobResult(job.job_id, True))  # nothing to keep for peers
+            return
+        keys = [bytes(k) for k in job.keys]
+        self._jobs[job.job_id] = ("store", keys, role.kv_request_id, now)
+        if not self._send(api.StoreJob(job.job_id, role.kv_request_id, keys, [int(c) for c in job.chunk_ids])):
+            self._finish(job.job_id, False, None, 0.0, None, "worker not ready or command ring full")
+
+    def submit_load(self, job: TransferJob) -> None:
+        role = self._role(job.req_context)
+        keys = [bytes(k) for k in job.keys]
+        self._jobs[job.job_id] = ("load", keys, role.kv_request_id, time.monotonic())
+        if role.kind != "consumer" or not self._send(
+            api.LoadJob(job.job_id, role.address, role.kv_request_id, keys, [int(c) for c in job.chunk_ids])
+        ):
+            self._finish(job.job_id, False, None, 0.0, None, "not a PD consumer, or worker not ready")
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._pump()
+        out, self._results = self._results, []
+        return out
+
+    def on_request_finished(self, req_context) -> None:
+        role = self._role(req_context)
+        if role.kind == "producer":
+            self._send(api.RequestFinished(role.kv_request_id))
+        self._failed_req_ids.discard(role.kv_request_id)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or bool(self._results) or (self._client is None)
+
+    def drain_jobs(self) -> None:
+        """Wait (the contract of this call) until every submitted job is reported; bounded."""
+        deadline = time.monotonic() + 60.0
+        while self._jobs and time.monotonic() < deadline:
+            self._pump()
+            time.sleep(0.001)
+        if self._jobs:
+            log.error("drain: %d job(s) still open after 60 s; failing them", len(self._jobs))
+            for job_id, (_k, _keys, _rid, t0) in list(self._jobs.items()):
+                self._finish(job_id, False, None, time.monotonic() - t0, None, "drain timed out")
+
+    def shutdown(self) -> None:
+        client, self._client, self._ready = self._client, None, False
+        if client is not None:
+            code = client.close()
+            log.info("p2pworker %s exited with %s", self._name, code)
+        self._primary_kv_view = None  # do not keep vLLM's mapping exported
+
+    def get_stats(self) -> dict:
+        return dict(self._stats, jobs_in_flight=len(self._jobs), restarts=self.restarts)
+
+    @property
+    def worker_address(self) -> str | None:
+        """host:port peers dial to reach this engine's worker."""
+        if self._client is None or self._client.ready is None:
+            return None
+        return self._client.ready.address.removeprefix("tcp://")
+
+
+def fingerprint_identity(spec: Any) -> dict:
+    """vLLM's notion of KV compatibility: model, dtype, chunk geometry, hash seed, layout."""
+    cfg = spec.config
+    ident: dict[str, Any] = {
+        "model": getattr(cfg.model, "name", None),
+        "dtype": str(getattr(cfg.model, "dtype", None)),
+        "blocks_per_chunk": int(getattr(spec, "blocks_per_chunk", 0) or 0),
+        "tokens_per_block": ",".join(str(t) for t in (getattr(spec, "tokens_per_block", ()) or ())),
+        "kv_bytes_per_chunk": int(getattr(spec, "kv_bytes_per_chunk", 0) or 0),
+        "world_size": int(getattr(cfg.parallel, "world_size", 1) or 1),
+    }
+    try:
+        from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+        ident["none_hash_seed"] = str(get_none_hash_seed())
+    except Exception:  # not every version exposes it
+        ident["none_hash_seed"] = os.environ.get("PYTHONHASHSEED", "")
+    return ident
