@@ -181,6 +181,31 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
         sys.exit(1)
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the proxy listens on.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--prefill", required=True, help="Prefill engine URL, e.g. http://127.0.0.1:8100")
+@click.option("--decode", required=True, help="Decode engine URL, e.g. http://127.0.0.1:8200")
+@click.option("--prefill-worker", required=True, help="host:port of the prefill engine's p2pworker (its tier's host, port + DP index).")
+def proxy(host: str, port: int, prefill: str, decode: str, prefill_worker: str) -> None:
+    """PD proxy: OpenAI-compatible /v1/completions and /v1/chat/completions.
+
+    Each request is prefilled on PREFILL (max_tokens=1, remote_decoder), then
+    answered by DECODE (remote_prefiller -> PREFILL_WORKER), streamed or not.
+    """
+    import logging
+
+    from p2pworker.proxy import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(host, port, prefill, decode, prefill_worker)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        pass
+
+
 @main.command("bench-ring")
 @click.option("-n", "--round-trips", default=20000, show_default=True, help="Round trips per contender.")
 @click.option("--warmup", default=2000, show_default=True)
