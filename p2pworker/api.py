@@ -53,8 +53,11 @@ class LoadJob(msgspec.Struct, tag="load"):
 
 
 class LookupKeys(msgspec.Struct, tag="lookup"):
+    """Symmetric sharing: ask the worker at ``address`` which keys it holds for our ``request_id``."""
+
     lookup_id: int
     address: str
+    request_id: str
     keys: list[bytes]
 
 
@@ -110,6 +113,7 @@ class PeerLookup(msgspec.Struct, tag="peer_lookup"):
 
     peer_id: str
     lookup_id: int
+    request_id: str  # the asking consumer's kv_request_id: park the hits under it
     keys: list[bytes]
 
 

@@ -222,7 +222,7 @@ class Worker:
                     self.reporter.open_lookup(cmd.lookup_id)
                     self.reporter.lookup_done(cmd.lookup_id, None, f"peer {cmd.address} unreachable or worker not ready")
                     return
-                s.lookup(cmd.lookup_id, cmd.keys)
+                s.lookup(cmd.lookup_id, cmd.keys, cmd.request_id)
             case api.AnswerLookup():
                 for s in self.sessions.values():
                     if s.peer_id == cmd.peer_id and s.state is State.ACTIVE and cmd.lookup_id in s._serving:
@@ -466,7 +466,7 @@ def _to_api(ev) -> api.Event:
     if isinstance(ev, LookupAnswer):
         return api.LookupResult(ev.lookup_id, None if ev.present is None else list(ev.present), ev.reason)
     if isinstance(ev, ServeLookup):
-        return api.PeerLookup(ev.peer_id, ev.lookup_id, list(ev.keys))
+        return api.PeerLookup(ev.peer_id, ev.lookup_id, ev.request_id, list(ev.keys))
     if isinstance(ev, SessionUp):
         return api.PeerUp(ev.peer_id)
     if isinstance(ev, SessionClosed):

@@ -26,7 +26,11 @@ Roles, from ``kv_transfer_params`` (vLLM's keys):
   (decode).  Lookups answer HIT (the producer has or will have the blocks);
   ``submit_load`` asks the producer's worker to write them into our rows.  After
   a failed load the request's lookups answer MISS, so vLLM recomputes.
-- ``remote_kv_source``: symmetric sharing is not implemented yet: MISS, logged once.
+- ``remote_kv_source: {kv_request_id, remote_host, remote_port}``: symmetric
+  consumer.  Lookups are batched to the peer (RETRY until its answer arrives,
+  then HIT or MISS); the peer's tier pins its hits through vLLM's parent API in
+  ``serve_external_requests`` and parks them under our ``kv_request_id``;
+  ``submit_load`` then fetches them like a PD load.
 
 Worker supervision: a dead worker fails every job in flight exactly once,
 lookups answer MISS, and a new worker is started after a bounded backoff
@@ -47,6 +51,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     OffloadPolicy,
+    ReqContext,
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -66,7 +71,7 @@ RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
 class PDRole:
     """What a request is to this tier, parsed once from kv_transfer_params."""
 
-    kind: str  # "producer" | "consumer" | "none"
+    kind: str  # "producer" | "consumer" (PD) | "symmetric" | "none"
     kv_request_id: str = ""
     address: str = ""  # consumer: the producer's worker, host:port
 
@@ -82,19 +87,22 @@ def parse_role(params: Any) -> PDRole:
             return PDRole("producer", rid)
         log.error("remote_decoder without a usable kv_request_id: %r; not offloading to peers", dec)
         return PDRole("none")
-    pre = params.get("remote_prefiller")
-    if isinstance(pre, dict):
+    for field_name, kind in (("remote_prefiller", "consumer"), ("remote_kv_source", "symmetric")):
+        pre = params.get(field_name)
+        if pre is None:
+            continue
+        if not isinstance(pre, dict):
+            log.error("invalid %s %r; recomputing", field_name, pre)
+            return PDRole("none")
         rid, host, port = pre.get("kv_request_id"), pre.get("remote_host"), pre.get("remote_port")
         try:
             port = int(port)
         except (TypeError, ValueError):
             port = -1
         if isinstance(rid, str) and rid and isinstance(host, str) and host and 0 < port < 65536:
-            return PDRole("consumer", rid, f"{host}:{port}")
-        log.error("invalid remote_prefiller %r (need kv_request_id, remote_host, remote_port); recomputing", pre)
+            return PDRole(kind, rid, f"{host}:{port}")
+        log.error("invalid %s %r (need kv_request_id, remote_host, remote_port); recomputing", field_name, pre)
         return PDRole("none")
-    if isinstance(params.get("remote_kv_source"), dict):
-        log.warning("remote_kv_source (symmetric sharing) is not supported by P2PWorkerTier yet: MISS")
     return PDRole("none")
 
 
@@ -139,6 +147,11 @@ class P2PWorkerTier(SecondaryTierManager):
         self._jobs: dict[int, tuple[str, list[bytes], str, float]] = {}  # job -> (kind, keys, kv_request_id, t0)
         self._results: list[JobResult] = []
         self._failed_req_ids: set[str] = set()
+        self._answers: dict[tuple[str, bytes], bool] = {}  # symmetric: (kv_request_id, key) -> peer holds it
+        self._asking: dict[tuple[str, str], list[bytes]] = {}  # (address, kv_request_id) -> keys to ask
+        self._lookups: dict[int, tuple[str, list[bytes]]] = {}  # lookup id -> (kv_request_id, keys)
+        self._next_lookup = 1
+        self._to_serve: list[api.PeerLookup] = []
         self._client: WorkerClient | None = None
         self._ready = False
         self._restart_at = 0.0
@@ -178,6 +191,10 @@ class P2PWorkerTier(SecondaryTierManager):
         now = time.monotonic()
         for job_id, (kind, _keys, rid, t0) in list(self._jobs.items()):
             self._finish(job_id, False, None, now - t0, None)
+        for rid, keys in self._lookups.values():
+            self._answers.update({(rid, k): False for k in keys})
+        self._lookups.clear()
+        self._to_serve.clear()
         client, self._client, self._ready = self._client, None, False
         if client is not None:
             try:
@@ -206,6 +223,12 @@ class P2PWorkerTier(SecondaryTierManager):
                     log.error("worker reported unknown job %d; ignored", ev.job_id)
                     continue
                 self._finish(ev.job_id, ev.success, ev.keys, ev.seconds, ev.nbytes, ev.reason)
+            elif isinstance(ev, api.LookupResult):
+                rid, keys = self._lookups.pop(ev.lookup_id, ("", []))
+                present = ev.present if ev.present is not None else [False] * len(keys)
+                self._answers.update({(rid, k): bool(p) for k, p in zip(keys, present)})
+            elif isinstance(ev, api.PeerLookup):
+                self._to_serve.append(ev)
             elif isinstance(ev, api.Ready):
                 self._ready = True
                 self._backoff_s = RESTART_MIN_S
@@ -218,6 +241,15 @@ class P2PWorkerTier(SecondaryTierManager):
                 log.info("p2pworker peer %s down: %s", ev.peer_id, ev.reason)
         if not client.alive():
             self._worker_died(f"exit code {client.proc.poll() if client.proc else '?'}")
+            return
+        for (address, rid), keys in list(self._asking.items()):  # one batched lookup per request and peer
+            lookup_id = self._next_lookup
+            if self._ready and client.send(api.LookupKeys(lookup_id, address, rid, keys)):
+                self._next_lookup += 1
+                self._lookups[lookup_id] = (rid, keys)
+            else:
+                self._answers.update({(rid, k): False for k in keys})
+            del self._asking[(address, rid)]
 
     def _finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
         kind, job_keys, rid, _t0 = self._jobs.pop(job_id)
@@ -253,9 +285,18 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def lookup(self, key, req_context) -> LookupResult:
         role = self._role(req_context)
-        if role.kind != "consumer" or role.kv_request_id in self._failed_req_ids or not self._ready:
+        if role.kind not in ("consumer", "symmetric") or role.kv_request_id in self._failed_req_ids or not self._ready:
             return LookupResult.MISS
-        return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
+        if role.kind == "consumer":
+            return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
+        answer = self._answers.get((role.kv_request_id, bytes(key)))
+        if answer is None:
+            batch = self._asking.setdefault((role.address, role.kv_request_id), [])
+            if bytes(key) not in batch and not any(bytes(key) in ks for r, ks in self._lookups.values()
+                                                   if r == role.kv_request_id):
+                batch.append(bytes(key))
+            return LookupResult.RETRY  # asked (batched at the next poll); HIT or MISS once the peer answers
+        return LookupResult.HIT if answer else LookupResult.MISS
 
     def submit_store(self, job: TransferJob) -> None:
         role = self._role(job.req_context)
@@ -272,7 +313,7 @@ class P2PWorkerTier(SecondaryTierManager):
         role = self._role(job.req_context)
         keys = [bytes(k) for k in job.keys]
         self._jobs[job.job_id] = ("load", keys, role.kv_request_id, time.monotonic())
-        if role.kind != "consumer" or not self._send(
+        if role.kind not in ("consumer", "symmetric") or not self._send(
             api.LoadJob(job.job_id, role.address, role.kv_request_id, keys, [int(c) for c in job.chunk_ids])
         ):
             self._finish(job.job_id, False, None, 0.0, None, "not a PD consumer, or worker not ready")
@@ -286,10 +327,38 @@ class P2PWorkerTier(SecondaryTierManager):
         role = self._role(req_context)
         if role.kind == "producer":
             self._send(api.RequestFinished(role.kv_request_id))
+        elif role.kind == "symmetric":
+            for k in [k for k in self._answers if k[0] == role.kv_request_id]:
+                del self._answers[k]
         self._failed_req_ids.discard(role.kv_request_id)
 
+    def serve_external_requests(self, parent) -> None:
+        """Answer peers' lookups: pin our hits through vLLM and park them under the asker's request id."""
+        if not self._to_serve:
+            return
+        queue, self._to_serve = self._to_serve, []
+        for ev in queue:
+            ctx = ReqContext(req_id=f"p2pw:{ev.peer_id}:{ev.request_id}:{ev.lookup_id}", kv_transfer_params=None)
+            parent.on_new_request(ctx)
+            try:
+                hits = [k for k in ev.keys if parent.lookup(k, ctx) is LookupResult.HIT]
+                if hits:
+                    job = parent.create_store_job(hits, ctx)  # pins the rows; reported by our get_finished_jobs
+                    keys = [bytes(k) for k in job.keys]
+                    self._jobs[job.job_id] = ("store", keys, ev.request_id, time.monotonic())
+                    if self._send(api.StoreJob(job.job_id, ev.request_id, keys, [int(c) for c in job.chunk_ids])):
+                        self._send(api.RequestFinished(ev.request_id))  # nothing more for this lookup
+                    else:
+                        self._finish(job.job_id, False, None, 0.0, None, "worker not ready")
+                        hits = []
+                held = set(hits)
+                self._send(api.AnswerLookup(ev.peer_id, ev.lookup_id, [k in held for k in ev.keys]))
+            finally:
+                parent.on_request_finished(ctx)
+
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._results) or (self._client is None)
+        return bool(self._jobs or self._results or self._asking or self._lookups or self._to_serve) or (
+            self._client is None)
 
     def drain_jobs(self) -> None:
         """Wait (the contract of this call) until every submitted job is reported; bounded."""

@@ -80,7 +80,10 @@ class AbortAck(msgspec.Struct, tag="abort_ack", forbid_unknown_fields=True):
 
 
 class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
+    """Which of ``keys`` do you hold?  The peer pins and parks its hits under ``request_id`` for a fetch."""
+
     lookup_id: Count
+    request_id: Id
     keys: Keys
 
 

@@ -34,6 +34,7 @@ class ServeLookup(NamedTuple):
 
     peer_id: str
     lookup_id: int
+    request_id: str
     keys: tuple
 
 

@@ -285,14 +285,14 @@ class Session:
         self._loads[(request_id, rnd)] = _Load(job_id, request_id, rnd, list(keys), now + ctx.config.load_timeout_s)
         self._send(m.Fetch(request_id, rnd, list(keys), [int(r) for r in rows]))
 
-    def lookup(self, lookup_id: int, keys: list[bytes]) -> None:
+    def lookup(self, lookup_id: int, keys: list[bytes], request_id: str) -> None:
         ctx = self.ctx
         ctx.reporter.open_lookup(lookup_id)
         if self.state is State.CLOSED:
             ctx.reporter.lookup_done(lookup_id, None, f"session closed: {self.close_reason}")
             return
         self._lookups[lookup_id] = (ctx.clock() + ctx.config.lookup_timeout_s, len(keys))
-        self._send(m.Lookup(lookup_id, list(keys)))
+        self._send(m.Lookup(lookup_id, request_id, list(keys)))
 
     def _on_transfer_done(self, msg: m.TransferDone) -> None:
         key = (msg.request_id, msg.round)
@@ -333,7 +333,7 @@ class Session:
             self._emit(m.LookupResp(msg.lookup_id, [False] * len(msg.keys)))
             return
         self._serving[msg.lookup_id] = len(msg.keys)
-        self.ctx.reporter.emit(ServeLookup(self.peer_id, msg.lookup_id, tuple(msg.keys)))
+        self.ctx.reporter.emit(ServeLookup(self.peer_id, msg.lookup_id, msg.request_id, tuple(msg.keys)))
 
     def answer_lookup(self, lookup_id: int, present: list[bool]) -> None:
         n = self._serving.pop(lookup_id, None)

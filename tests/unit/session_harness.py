@@ -136,7 +136,7 @@ def sample_messages() -> dict[type, m.Message]:
         m.TransferDone: m.TransferDone("r", 0, []),
         m.AbortFetch: m.AbortFetch("r", 0),
         m.AbortAck: m.AbortAck("r", 0),
-        m.Lookup: m.Lookup(1, [b"k"]),
+        m.Lookup: m.Lookup(1, "r", [b"k"]),
         m.LookupResp: m.LookupResp(1, [True]),
         m.Probe: m.Probe(m.PROTOCOL_VERSION),
         m.ProbeInfo: m.ProbeInfo(m.PROTOCOL_VERSION, "X", fp, "fake", 64, BLOCK),

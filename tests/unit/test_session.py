@@ -37,7 +37,7 @@ def test_messages_before_the_handshake_are_queued_then_sent_in_order():
     p.sa.start()
     p.sa.load(1, "r", [b"a"], [0])
     p.sa.load(2, "r", [b"b"], [1])
-    p.sa.lookup(7, [b"z"])
+    p.sa.lookup(7, [b"z"], "r")
     assert [type(m.decode(f)) for f in p.a.outbox] == [m.Hello]  # held back
     p.deliver()
     fetches = [m.decode(f) for f in p.wire_a_to_b if isinstance(m.decode(f), (m.Fetch, m.Lookup))]
@@ -274,7 +274,7 @@ def test_peer_death_fails_every_job_of_that_peer_once():
     p.b.lot.store(1, "req", KEYS, [10, 11, 12, 13])
     p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
     p.sa.load(101, "other", [b"x"], [9])
-    p.sa.lookup(5, [b"x"])
+    p.sa.lookup(5, [b"x"], "req")
     p.deliver()
     p.sa.close("heartbeat lost")
     p.sb.close("heartbeat lost")
@@ -324,18 +324,18 @@ def test_transfer_done_that_was_never_asked_for_is_a_protocol_error():
 
 def test_lookups_round_trip_time_out_and_are_validated():
     p = Pair().handshake()
-    p.sa.lookup(1, [b"a", b"b"])
+    p.sa.lookup(1, [b"a", b"b"], "req")
     p.deliver()
     serve = [e for e in p.b.events() if isinstance(e, ServeLookup)]
-    assert serve == [ServeLookup("A", 1, (b"a", b"b"))]
+    assert serve == [ServeLookup("A", 1, "req", (b"a", b"b"))]
     p.sb.answer_lookup(1, [True, False])
     p.deliver()
     assert LookupAnswer(1, (True, False), "") in p.a.events()
-    p.sa.lookup(2, [b"c"])
+    p.sa.lookup(2, [b"c"], "req")
     p.clock.advance(5)
     p.sa.tick()
     assert LookupAnswer(2, None, "lookup timed out after 5 s") in p.a.events()
-    p.sa.lookup(3, [b"c"])
+    p.sa.lookup(3, [b"c"], "req")
     with pytest.raises(RemoteProtocolError, match="2 answers for 1 keys"):
         p.sa.receive(m.encode(m.LookupResp(3, [True, True])))
 

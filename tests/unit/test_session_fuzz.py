@@ -25,7 +25,7 @@ def _seeds() -> list[bytes]:
         m.TransferDone("req", 0, [b"k0", b"k1"], "partial"),
         m.AbortFetch("req", 0),
         m.LookupResp(1, [True, False]),
-        m.Lookup(9, [b"a", b"b"]),
+        m.Lookup(9, "req", [b"a", b"b"]),
     ]
     return [m.encode(x) for x in msgs]
 
@@ -70,7 +70,7 @@ def _fresh(rng: random.Random):
     p = Pair().handshake()
     p.b.lot.store(1, "req", [b"k0", b"k1"], [10, 11])
     p.sa.load(100, "req", [b"k0", b"k1"], [0, 1])
-    p.sa.lookup(1, [b"a", b"b"])
+    p.sa.lookup(1, [b"a", b"b"], "req")
     p.deliver()
     if rng.random() < 0.5:
         p.b.complete_all()

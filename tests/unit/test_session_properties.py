@@ -74,7 +74,7 @@ class Model:
         elif kind == "finish":
             p.b.lot.request_finished(o[1])
         elif kind == "lookup":
-            p.sa.lookup(self.next_lookup, o[1])
+            p.sa.lookup(self.next_lookup, o[1], "r0")
             self.next_lookup += 1
         elif kind == "deliver":
             self.deliver(o[1])

@@ -87,7 +87,8 @@ def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
     ({"remote_prefiller": {"kv_request_id": "a", "remote_host": "h"}}, "none"),
     ({"remote_prefiller": {"kv_request_id": "a", "remote_host": "h", "remote_port": "7000"}}, "consumer"),
     ({"remote_prefiller": "junk"}, "none"),
-    ({"remote_kv_source": {"kv_request_id": "a", "remote_host": "h", "remote_port": 7000}}, "none"),
+    ({"remote_kv_source": {"kv_request_id": "a", "remote_host": "h", "remote_port": 7000}}, "symmetric"),
+    ({"remote_kv_source": {"kv_request_id": "a"}}, "none"),
 ])
 def test_invalid_kv_transfer_params_are_misses_not_exceptions(params, kind):
     assert parse_role(params).kind == kind
@@ -135,3 +136,30 @@ def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
     decode.step(["d5"])
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
     assert decode.lookup(ctx3, [7]) == [LookupResult.HIT]
+
+
+def test_symmetric_sharing_retry_then_hit_and_bytes_land(pd):
+    owner, reader = pd
+    ids = [10, 11, 12]
+    owner.store("own", ids)  # plain request: the chunks live in the owner's primary tier only
+    host, port = owner.tier.worker_address.split(":")
+    ctx = ReqContext(req_id="sym", kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": "sym-1", "remote_host": host, "remote_port": int(port)}})
+    with reader.lock:
+        reader.mgr.on_new_request(ctx)
+    assert reader.lookup(ctx, ids + [99]) == [LookupResult.RETRY] * 4  # asked, not answered yet
+    run_until([reader, owner], lambda: reader.lookup(ctx, [99]) != [LookupResult.RETRY])
+    assert reader.lookup(ctx, [99]) == [LookupResult.MISS]  # the owner does not hold 99
+    assert reader.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 3  # tier HIT -> promotion
+    reader.step(["sym"])
+    run_until([reader, owner], lambda: reader.idle() and owner.idle())
+    assert reader.lookup(ctx, ids) == [LookupResult.HIT] * 3
+    with reader.lock:
+        spec = reader.mgr.prepare_load([key(i) for i in ids], ctx)
+    rows = np.asarray(reader.view)
+    assert all((rows[r] == payload(i)).all() for i, r in zip(ids, spec.chunk_ids.tolist()))
+    del rows
+    with reader.lock:
+        reader.mgr.complete_load([key(i) for i in ids], ctx)
+        reader.mgr.on_request_finished(ctx)
+    assert owner.tier.get_stats()["stores_ok"] >= 1 and owner.tier.get_stats()["jobs_in_flight"] == 0
