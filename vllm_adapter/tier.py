@@ -149,6 +149,7 @@ class P2PWorkerTier(SecondaryTierManager):
         self._failed_req_ids: set[str] = set()
         self._answers: dict[tuple[str, bytes], bool] = {}  # symmetric: (kv_request_id, key) -> peer holds it
         self._asking: dict[tuple[str, str], list[bytes]] = {}  # (address, kv_request_id) -> keys to ask
+        self._asked: set[tuple[str, bytes]] = set()  # (kv_request_id, key) asked, no answer yet
         self._lookups: dict[int, tuple[str, list[bytes]]] = {}  # lookup id -> (kv_request_id, keys)
         self._next_lookup = 1
         self._to_serve: list[api.PeerLookup] = []
@@ -192,7 +193,7 @@ class P2PWorkerTier(SecondaryTierManager):
         for job_id, (kind, _keys, rid, t0) in list(self._jobs.items()):
             self._finish(job_id, False, None, now - t0, None)
         for rid, keys in self._lookups.values():
-            self._answers.update({(rid, k): False for k in keys})
+            self._answer(rid, keys, None)
         self._lookups.clear()
         self._to_serve.clear()
         client, self._client, self._ready = self._client, None, False
@@ -225,8 +226,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._finish(ev.job_id, ev.success, ev.keys, ev.seconds, ev.nbytes, ev.reason)
             elif isinstance(ev, api.LookupResult):
                 rid, keys = self._lookups.pop(ev.lookup_id, ("", []))
-                present = ev.present if ev.present is not None else [False] * len(keys)
-                self._answers.update({(rid, k): bool(p) for k, p in zip(keys, present)})
+                self._answer(rid, keys, ev.present)
             elif isinstance(ev, api.PeerLookup):
                 self._to_serve.append(ev)
             elif isinstance(ev, api.Ready):
@@ -248,8 +248,14 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._next_lookup += 1
                 self._lookups[lookup_id] = (rid, keys)
             else:
-                self._answers.update({(rid, k): False for k in keys})
+                self._answer(rid, keys, None)
             del self._asking[(address, rid)]
+
+    def _answer(self, rid: str, keys: list[bytes], present: list[bool] | None) -> None:
+        """Record a peer's answer (None: it could not answer, so MISS)."""
+        for k, p in zip(keys, present if present is not None else [False] * len(keys)):
+            self._answers[(rid, k)] = bool(p)
+            self._asked.discard((rid, k))
 
     def _finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
         kind, job_keys, rid, _t0 = self._jobs.pop(job_id)
@@ -289,12 +295,12 @@ class P2PWorkerTier(SecondaryTierManager):
             return LookupResult.MISS
         if role.kind == "consumer":
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
-        answer = self._answers.get((role.kv_request_id, bytes(key)))
+        k = (role.kv_request_id, bytes(key))
+        answer = self._answers.get(k)
         if answer is None:
-            batch = self._asking.setdefault((role.address, role.kv_request_id), [])
-            if bytes(key) not in batch and not any(bytes(key) in ks for r, ks in self._lookups.values()
-                                                   if r == role.kv_request_id):
-                batch.append(bytes(key))
+            if k not in self._asked:
+                self._asked.add(k)
+                self._asking.setdefault((role.address, role.kv_request_id), []).append(k[1])
             return LookupResult.RETRY  # asked (batched at the next poll); HIT or MISS once the peer answers
         return LookupResult.HIT if answer else LookupResult.MISS
 
@@ -330,6 +336,7 @@ class P2PWorkerTier(SecondaryTierManager):
         elif role.kind == "symmetric":
             for k in [k for k in self._answers if k[0] == role.kv_request_id]:
                 del self._answers[k]
+            self._asked = {k for k in self._asked if k[0] != role.kv_request_id}
         self._failed_req_ids.discard(role.kv_request_id)
 
     def serve_external_requests(self, parent) -> None:
