@@ -29,8 +29,11 @@ def main() -> None:
 @click.option("--admin", "admin_path", default=None, help="Admin socket path.")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
 @click.option("--no-auth", is_flag=True, help="Disable control-plane authentication (logs a warning).")
+@click.option("--wait-rings", "wait_rings_s", type=float, default=None,
+              help="Wait up to this many seconds for the adapter to create the rings (operator-launched worker).")
 @click.option("-v", "--verbose", count=True)
-def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, metrics_port, no_auth, verbose) -> None:
+def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, metrics_port, no_auth, wait_rings_s,
+           verbose) -> None:
     """Run a worker in the foreground (what the adapter spawns; an operator can run it by hand).
 
     The shared secret comes from $P2PWORKER_SECRET or the config's [control] secret.
@@ -59,6 +62,8 @@ def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, 
         over["admin_path"] = admin_path
     if metrics_port is not None:
         over["metrics_port"] = metrics_port
+    if wait_rings_s is not None:
+        over["wait_rings_s"] = wait_rings_s
     try:
         cfg = load_config(config_path, over)
         worker = Worker(cfg)

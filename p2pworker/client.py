@@ -28,9 +28,11 @@ class WorkerClient:
         env: dict[str, str] | None = None,
         spawn: bool = True,
         stderr=None,
+        prefix: str | None = None,
     ):
+        """``spawn=False`` with a fixed ``prefix``: an operator runs ``p2pworker launch --rings PREFIX``."""
         self.name = name
-        self.prefix = f"p2pw_{name}_{os.getpid()}_{secrets.token_hex(3)}"
+        self.prefix = prefix or f"p2pw_{name}_{os.getpid()}_{secrets.token_hex(3)}"
         cmd_name, evt_name = api.ring_names(self.prefix)
         self.cmd = Ring.create(cmd_name, Role.PRODUCER, nslots=api.RING_NSLOTS, slot_bytes=api.RING_SLOT_BYTES,
                                msg_type=api.Command)

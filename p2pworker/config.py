@@ -29,6 +29,7 @@ class WorkerConfig:
     busy_poll_s: float = 0.001  # poll period while transfers may be landing (drives NIXL progress)
     shutdown_timeout_s: float = 10.0  # bound on draining in-flight transfers at shutdown
     prefault: bool = True  # pre-fault the region's page tables at attach (MAP_POPULATE)
+    wait_rings_s: float = 0.0  # operator-launched worker: wait this long for the adapter to create the rings
     control: ControlConfig = field(default_factory=ControlConfig)
     data: DataConfig = field(default_factory=DataConfig)
     session: SessionConfig = field(default_factory=SessionConfig)

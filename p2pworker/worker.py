@@ -62,7 +62,15 @@ class Worker:
         self.cfg = cfg
         self.clock = clock
         cmd_name, evt_name = api.ring_names(cfg.rings)
-        self.cmd = Ring.attach(cmd_name, Role.CONSUMER, msg_type=api.Command)
+        deadline = clock() + cfg.wait_rings_s
+        while True:  # an operator may start the worker before vLLM creates the rings
+            try:
+                self.cmd = Ring.attach(cmd_name, Role.CONSUMER, msg_type=api.Command)
+                break
+            except P2PError:
+                if clock() >= deadline:
+                    raise
+                time.sleep(0.1)
         try:
             self.evt = Ring.attach(evt_name, Role.PRODUCER, msg_type=api.Event)
         except BaseException:

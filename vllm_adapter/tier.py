@@ -122,6 +122,7 @@ class P2PWorkerTier(SecondaryTierManager):
         port: int | None = None,
         worker_config: str | None = None,
         backend: str = "auto",
+        rings: str | None = None,
         start_timeout_s: float = 120.0,
         **unknown: Any,
     ):
@@ -144,6 +145,7 @@ class P2PWorkerTier(SecondaryTierManager):
         self._name = f"vllm-{cfg.engine_id}"[:60].replace("/", "_")
         self._worker_args = ["--host", self.host, "--port", str(base), "--dp-index", str(dp), "--backend", backend]
         self._worker_config = worker_config
+        self._rings = rings  # set: attach to an operator-launched worker (p2pworker launch --rings <rings>)
         self._jobs: dict[int, tuple[str, list[bytes], str, float]] = {}  # job -> (kind, keys, kv_request_id, t0)
         self._results: list[JobResult] = []
         self._failed_req_ids: set[str] = set()
@@ -172,7 +174,10 @@ class P2PWorkerTier(SecondaryTierManager):
     # ------------------------------------------------------------ worker lifecycle
     def _start_worker(self) -> None:
         try:
-            self._client = WorkerClient(self._name, config_path=self._worker_config, args=self._worker_args)
+            if self._rings:
+                self._client = WorkerClient(self._name, spawn=False, prefix=self._rings)
+            else:
+                self._client = WorkerClient(self._name, config_path=self._worker_config, args=self._worker_args)
             self._ready = False
             if not self._client.send(api.AttachRegion(self._handle, self._identity)):
                 raise P2PError("command ring full at start")

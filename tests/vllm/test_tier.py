@@ -163,3 +163,34 @@ def test_symmetric_sharing_retry_then_hit_and_bytes_land(pd):
         reader.mgr.complete_load([key(i) for i in ids], ctx)
         reader.mgr.on_request_finished(ctx)
     assert owner.tier.get_stats()["stores_ok"] >= 1 and owner.tier.get_stats()["jobs_in_flight"] == 0
+
+
+def test_attaches_to_an_operator_launched_worker(free_port):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    prefix = f"p2pw_operator_{os.getpid()}"
+    worker = subprocess.Popen([str(Path(sys.executable).with_name("p2pworker")), "launch", "--rings", prefix,
+                               "--wait-rings", "60", "--port", "0", "--name", "operator"])
+    prefill = decode = None
+    try:
+        prefill = Engine("opp", free_port())
+        decode = Engine("opd", free_port(), rings=prefix)  # no spawn: attach to the worker above
+        assert decode.tier._client.proc is None and decode.tier._ready
+        host, port = prefill.tier.worker_address.split(":")
+        prefill.store("p", [1, 2], {"remote_decoder": {"kv_request_id": "op-1"}})
+        ctx = ReqContext(req_id="d", kv_transfer_params={
+            "remote_prefiller": {"kv_request_id": "op-1", "remote_host": host, "remote_port": int(port)}})
+        with decode.lock:
+            decode.mgr.on_new_request(ctx)
+        assert decode.lookup(ctx, [1, 2]) == [LookupResult.HIT_PENDING] * 2
+        decode.step(["d"])
+        run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
+        assert decode.tier.get_stats()["loads_ok"] == 1
+    finally:
+        for e in (decode, prefill):
+            if e is not None:
+                e.close()
+        code = worker.wait(15)  # the operator's worker stops once its adapter closed the rings
+    assert code == 0
