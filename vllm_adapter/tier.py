@@ -34,7 +34,9 @@ Roles, from ``kv_transfer_params`` (vLLM's keys):
 
 Worker supervision: a dead worker fails every job in flight exactly once,
 lookups answer MISS, and a new worker is started after a bounded backoff
-without blocking the scheduler.
+without blocking the scheduler.  With ``rings`` set the tier spawns nothing: it
+creates the rings and an operator's ``p2pworker launch --rings <rings>``
+attaches; after a death the rings are re-created for its restart.
 """
 
 from __future__ import annotations
