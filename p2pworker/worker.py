@@ -95,6 +95,8 @@ class Worker:
         self._next_tick = clock()
         self._next_liveness = clock()
         self.counters = collections.Counter()
+        self._poller = zmq.Poller()
+        self._poll_socks: tuple = ()
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.metrics = None
         if cfg.metrics_port:
@@ -178,16 +180,16 @@ class Worker:
         if self.data is not None and self.data.has_backlog():
             return  # pieces are ready to post: no sleeping
         timeout_s = self.cfg.busy_poll_s if busy else max(0.0, min(self.cfg.idle_poll_s, self._next_tick - self.clock()))
+        socks = (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ()))
+        if socks != self._poll_socks:  # links come and go: rebuild only then, not on every sleep
+            self._poller = zmq.Poller()
+            for sock in socks:
+                self._poller.register(sock, zmq.POLLIN)
+            self._poll_socks = socks
         if self.cmd.arm():
             return
         try:
-            poller = zmq.Poller()
-            poller.register(self.cmd.fileno(), zmq.POLLIN)
-            poller.register(self.admin.socket, zmq.POLLIN)
-            if self.ctl is not None:
-                for sock in self.ctl.sockets():
-                    poller.register(sock, zmq.POLLIN)
-            poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
+            self._poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
         finally:
             self.cmd.disarm()
 
@@ -233,8 +235,7 @@ class Worker:
                 s.lookup(cmd.lookup_id, cmd.keys, cmd.request_id)
             case api.AnswerLookup():
                 for s in self.sessions.values():
-                    if s.peer_id == cmd.peer_id and s.state is State.ACTIVE and cmd.lookup_id in s._serving:
-                        s.answer_lookup(cmd.lookup_id, cmd.present)
+                    if s.peer_id == cmd.peer_id and s.answer_lookup(cmd.lookup_id, cmd.present):
                         break
             case api.RequestFinished():
                 if self.ctx is not None:

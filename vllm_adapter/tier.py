@@ -197,7 +197,7 @@ class P2PWorkerTier(SecondaryTierManager):
                   self._name, why, len(self._jobs), self._backoff_s)
         self._stats["worker_deaths"] += 1
         now = time.monotonic()
-        for job_id, (kind, _keys, rid, t0) in list(self._jobs.items()):
+        for job_id, (*_, t0) in list(self._jobs.items()):
             self._finish(job_id, False, None, now - t0, None)
         for rid, keys in self._lookups.values():
             self._answer(rid, keys, None)

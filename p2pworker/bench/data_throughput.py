@@ -119,11 +119,12 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
         for n in counts:
             for pattern in patterns:
                 lr, rr = _rows(pattern, n, num_blocks, rng)
+                li, ri = lr.astype(np.int32), rr.astype(np.int32)  # outside the timed calls
                 nbytes = n * block_bytes
                 runs = len(coalesce(lr, rr))
 
-                def raw_once():
-                    h = raw.make_prepped_xfer("WRITE", local_dl, lr.astype(np.int32), remote_dl, rr.astype(np.int32))
+                def raw_once(li=li, ri=ri):
+                    h = raw.make_prepped_xfer("WRITE", local_dl, li, remote_dl, ri)
                     state = raw.transfer(h)
                     while state == "PROC":
                         state = raw.check_xfer_state(h)
@@ -131,7 +132,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                     if state != "DONE":
                         raise RuntimeError(f"raw NIXL transfer ended {state}")
 
-                def transport_once(tr):
+                def transport_once(tr, lr=lr, rr=rr):
                     def once():
                         tid = tr.write_blocks("t", lr, rr)
                         while True:
@@ -142,7 +143,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                                 return
                     return once
 
-                def memcpy_once():
+                def memcpy_once(lr=lr, rr=rr, n=n, pattern=pattern):
                     if pattern == "contig":
                         dst_arr[:n] = src_arr[:n]
                     else:

@@ -36,7 +36,6 @@ class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class XferState(enum.Enum):
     """NIXL's string states (and our own), mapped at the edge."""
 
-    PENDING = "PENDING"  # pieces not posted yet
     PROC = "PROC"
     DONE = "DONE"
     ERR = "ERR"

@@ -335,13 +335,15 @@ class Session:
         self._serving[msg.lookup_id] = len(msg.keys)
         self.ctx.reporter.emit(ServeLookup(self.peer_id, msg.lookup_id, msg.request_id, tuple(msg.keys)))
 
-    def answer_lookup(self, lookup_id: int, present: list[bool]) -> None:
+    def answer_lookup(self, lookup_id: int, present: list[bool]) -> bool:
+        """Answer a peer's lookup; False when this session is not serving ``lookup_id``."""
         n = self._serving.pop(lookup_id, None)
         if n is None or self.state is not State.ACTIVE:
-            return
+            return False
         if len(present) != n:
             raise LocalProtocolError(f"lookup {lookup_id}: {len(present)} answers for {n} keys")
         self._emit(m.LookupResp(lookup_id, list(present)))
+        return True
 
     def _on_fetch(self, msg: m.Fetch) -> None:
         nb = self.peer_info.num_blocks
