@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 import msgspec
+import numpy as np
 import zmq
 
 from p2pworker import api
@@ -51,6 +52,8 @@ from p2pworker.session import (
 from p2pworker.shm import KVRegion, Ring, Role
 
 log = logging.getLogger("p2pworker.worker")
+
+CORRUPT_ENV = "P2PWORKER_TEST_CORRUPT_LOADS"  # test-only: see Worker._scramble
 
 LIVENESS_CHECK_S = 0.25
 
@@ -97,6 +100,12 @@ class Worker:
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
         self._poll_socks: tuple = ()
+        # Test-only negative control (tests/e2e): scramble every row a load writes, so a test can show
+        # that wrong KV changes vLLM's output.  Never set in production; loudly logged when set.
+        self._corrupt: dict[int, dict[bytes, int]] | None = None
+        if os.environ.get(CORRUPT_ENV) == "1":
+            self._corrupt = {}
+            log.warning("%s=1: this worker CORRUPTS every block it loads (test-only switch)", CORRUPT_ENV)
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.metrics = None
         if cfg.metrics_port:
@@ -225,6 +234,8 @@ class Worker:
                 if s is None:
                     self._fail_now(cmd.job_id, "load", f"peer {cmd.address} unreachable")
                     return
+                if self._corrupt is not None:
+                    self._corrupt[cmd.job_id] = dict(zip(cmd.keys, cmd.rows))
                 s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
             case api.LookupKeys():
                 s = None if self.ctx is None or self.stopping else self._session_for(cmd.address)
@@ -366,6 +377,8 @@ class Worker:
 
     def _flush_events(self) -> None:
         for ev in self.reporter.take():
+            if self._corrupt is not None and isinstance(ev, JobDone) and ev.kind == "load":
+                self._scramble(ev)
             self.pending.append(_to_api(ev))
         while self.pending:
             if not self.evt.try_put(self.pending[0]):
@@ -376,6 +389,19 @@ class Worker:
                 self.counters[f"jobs_{ev.kind}_{'ok' if ev.success else 'failed'}"] += 1
                 if self.metrics is not None:
                     self.metrics.job(ev)
+
+    def _scramble(self, ev: JobDone) -> None:
+        """Test-only: rotate every row this load wrote (valid values in the wrong places)."""
+        rows_of = self._corrupt.pop(ev.job_id, {})
+        if self.region is None:
+            return
+        arr = self.region.array()
+        shift = max(64, arr.shape[1] // 3 // 64 * 64)  # whole 64-byte units: every value stays a valid number
+        for k in ev.keys:
+            r = rows_of.get(k)
+            if r is not None:
+                arr[r] = np.roll(arr[r], shift)
+        self.counters["test_corrupted_rows"] += len(ev.keys)
 
     # ------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

@@ -12,10 +12,10 @@ from p2pworker.shm.sweep import leftovers, sweep
 
 RUN_PREFIX = f"p2pwt{os.getpid()}_"
 
-try:  # tests/vllm runs in the vLLM venvs (scripts/test.sh); the worker's venv has no vLLM
+try:  # tests/vllm and tests/e2e run in the vLLM venvs (scripts/test.sh); the worker's venv has no vLLM
     import vllm  # noqa: F401
 except ImportError:
-    collect_ignore = ["vllm"]
+    collect_ignore = ["vllm", "e2e"]
 _counter = itertools.count()
 
 

@@ -41,6 +41,7 @@ attaches; after a death the rings are re-created for its restart.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -67,6 +68,7 @@ from p2pworker.shm.maps import handle_for_range
 log = logging.getLogger("vllm_adapter.tier")
 
 RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
+RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park_timeout_s
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,9 @@ class P2PWorkerTier(SecondaryTierManager):
         self._lookups: dict[int, tuple[str, list[bytes]]] = {}  # lookup id -> (kv_request_id, keys)
         self._next_lookup = 1
         self._to_serve: list[api.PeerLookup] = []
+        # producer requests finished lately (kv_request_id -> when): replayed to a restarted worker so a
+        # consumer's fetch for them is answered "nothing here" at once instead of after fetch_timeout_s
+        self._recent_finished: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._client: WorkerClient | None = None
         self._ready = False
         self._restart_at = 0.0
@@ -242,6 +247,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 client.ready = ev
                 client.cmd.unlink()
                 client.evt.unlink()
+                self._replay_finished()
             elif isinstance(ev, api.WorkerError):
                 log.error("p2pworker: %s", ev.message)
             elif isinstance(ev, api.PeerDown):
@@ -336,10 +342,22 @@ class P2PWorkerTier(SecondaryTierManager):
         out, self._results = self._results, []
         return out
 
+    def _replay_finished(self) -> None:
+        now = time.monotonic()
+        while self._recent_finished and next(iter(self._recent_finished.values())) < now - RECENT_FINISHED_S:
+            self._recent_finished.popitem(last=False)
+        for rid in self._recent_finished:
+            if not self._send(api.RequestFinished(rid)):
+                break
+
     def on_request_finished(self, req_context) -> None:
         role = self._role(req_context)
         if role.kind == "producer":
-            self._send(api.RequestFinished(role.kv_request_id))
+            self._recent_finished[role.kv_request_id] = time.monotonic()
+            self._recent_finished.move_to_end(role.kv_request_id)
+            if len(self._recent_finished) > RECENT_FINISHED_MAX:
+                self._recent_finished.popitem(last=False)
+            self._send(api.RequestFinished(role.kv_request_id))  # not ready: replayed when the worker is
         elif role.kind == "symmetric":
             for k in [k for k in self._answers if k[0] == role.kv_request_id]:
                 del self._answers[k]
@@ -392,8 +410,24 @@ class P2PWorkerTier(SecondaryTierManager):
             log.info("p2pworker %s exited with %s", self._name, code)
         self._primary_kv_view = None  # do not keep vLLM's mapping exported
 
-    def get_stats(self) -> dict:
+    def get_stats(self):
+        """vLLM's metric hook: None (the tiering manager already records this tier's read/write bytes
+        and times from our JobResults).  Our own counters are ``counters()``."""
+        return None
+
+    def counters(self) -> dict:
+        """Jobs and worker restarts seen by this tier (also what ``p2pworker inspect`` shows worker-side)."""
         return dict(self._stats, jobs_in_flight=len(self._jobs), restarts=self.restarts)
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict) -> tuple[str, ...]:
+        """0.33 info-metric labels of this tier (vLLM adds the tier label itself)."""
+        return ("p2p_address", "p2p_backend")
+
+    def config_info(self) -> dict:
+        ready = self._client.ready if self._client is not None else None
+        return {"p2p_address": f"{self.host}:{self.port}",
+                "p2p_backend": getattr(ready, "backend", None) or "starting"}
 
     @property
     def worker_address(self) -> str | None:

@@ -92,6 +92,11 @@ class ParkingLot:
     def request_finished(self, request_id: str) -> None:
         p = self.parcels.get(request_id)
         if p is None:
+            # Nothing parked (its stores failed, or went to a worker that died before us): keep a
+            # tombstone until park_timeout_s so a fetch that comes later is answered at once, empty,
+            # instead of waiting out fetch_timeout_s for stores that will never come.
+            p = self.parcel(request_id)
+            p.finished = True
             return
         p.finished = True
         if p.owner is not None:
@@ -145,7 +150,7 @@ class ParkingLot:
         now = self.clock()
         for p in list(self.parcels.values()):
             if p.owner is None and p.fetch is None and now - p.created >= self.park_timeout_s:
-                self.reaped += 1
+                self.reaped += bool(p.open_keys)  # tombstones (nothing parked) are not reaped stores
                 self.drop(p, f"not fetched within {self.park_timeout_s:g} s")
 
     @property

@@ -183,6 +183,21 @@ def test_partial_success_when_the_request_finishes_short():
     assert "req" not in p.b.lot.parcels
 
 
+def test_fetch_after_the_request_finished_with_nothing_parked_is_answered_at_once():
+    """A producer whose stores never reached this worker (e.g. its previous worker died) still reports the
+    request finished; a consumer's fetch that comes later gets an empty answer now, not after fetch_timeout_s."""
+    p = Pair().handshake()
+    p.b.lot.request_finished("gone")
+    p.sa.load(100, "gone", KEYS, [0, 1, 2, 3])
+    p.deliver()
+    a = jobs(p.a.events())[100]
+    assert a.success is False and a.keys == () and "finished before" in a.reason
+    assert p.b.data.writes == [] and p.b.reporter.open_jobs == 0
+    p.clock.advance(61.0)
+    p.b.lot.tick()
+    assert "gone" not in p.b.lot.parcels and p.b.lot.reaped == 0
+
+
 def test_unrequested_keys_are_released_when_the_request_finishes():
     p = Pair().handshake()
     p.b.lot.store(1, "req", KEYS, [20, 21, 22, 23])

@@ -61,8 +61,13 @@ class Engine:
         self.mmap_path = self.spec._scheduler_mmap.mmap_path
 
     def step(self, new=()) -> None:
+        """One scheduler step as OffloadingConnector runs it (incl. the metric hooks every step calls)."""
         with self.lock:
             self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
+            stats = self.mgr.get_stats()
+            assert stats is None or hasattr(stats, "is_empty"), stats
+            if hasattr(self.mgr, "config_info"):
+                self.mgr.config_info()
 
     def store(self, req_id: str, ids, params=None):
         """What the connector + GPU worker do for a prefill: primary store, then the cascade."""

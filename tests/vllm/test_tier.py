@@ -59,7 +59,7 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     with decode.lock:
         decode.mgr.complete_load([key(i) for i in ids], ctx)
         decode.mgr.on_request_finished(ctx)
-    st_p, st_d = prefill.tier.get_stats(), decode.tier.get_stats()
+    st_p, st_d = prefill.tier.counters(), decode.tier.counters()
     assert st_d["loads_ok"] == 1 and st_d["loads_failed"] == 0
     assert st_p["stores_ok"] >= 1 and st_p["stores_failed"] == 0 and st_p["jobs_in_flight"] == 0
 
@@ -75,7 +75,7 @@ def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
     t0 = time.monotonic()
     run_until([decode], decode.idle, timeout_s=15)  # nobody listens: fails within the handshake deadline
     assert time.monotonic() - t0 < 6
-    assert decode.tier.get_stats()["loads_failed"] == 1
+    assert decode.tier.counters()["loads_failed"] == 1
     assert decode.lookup(ctx, [1, 2]) == [LookupResult.MISS, LookupResult.MISS]  # recompute, no re-promotion loop
 
 
@@ -118,7 +118,7 @@ def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
     t0 = time.monotonic()
     run_until([decode], decode.idle, timeout_s=10)  # the manager would assert on a double or unknown report
     assert time.monotonic() - t0 < 2.0
-    assert decode.tier.get_stats()["worker_deaths"] == 1
+    assert decode.tier.counters()["worker_deaths"] == 1
     assert not os.path.exists(old_admin), "the killed worker's admin socket was left behind"
     ctx2 = ReqContext(req_id="d4", kv_transfer_params={**params, "remote_prefiller": {
         **params["remote_prefiller"], "kv_request_id": "kv-new"}})
@@ -162,7 +162,7 @@ def test_symmetric_sharing_retry_then_hit_and_bytes_land(pd):
     with reader.lock:
         reader.mgr.complete_load([key(i) for i in ids], ctx)
         reader.mgr.on_request_finished(ctx)
-    assert owner.tier.get_stats()["stores_ok"] >= 1 and owner.tier.get_stats()["jobs_in_flight"] == 0
+    assert owner.tier.counters()["stores_ok"] >= 1 and owner.tier.counters()["jobs_in_flight"] == 0
 
 
 def test_attaches_to_an_operator_launched_worker(free_port):
@@ -187,7 +187,7 @@ def test_attaches_to_an_operator_launched_worker(free_port):
         assert decode.lookup(ctx, [1, 2]) == [LookupResult.HIT_PENDING] * 2
         decode.step(["d"])
         run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
-        assert decode.tier.get_stats()["loads_ok"] == 1
+        assert decode.tier.counters()["loads_ok"] == 1
     finally:
         for e in (decode, prefill):
             if e is not None:

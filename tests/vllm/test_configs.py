@@ -1,0 +1,36 @@
+"""The shipped --kv-transfer-config snippets load in this vLLM: spec class, tier class, worker config."""
+
+import glob
+import importlib
+import json
+import os
+
+import pytest
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+from p2pworker.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SNIPPETS = sorted(glob.glob(os.path.join(ROOT, "configs", "vllm-*.json")))
+
+
+def test_there_are_snippets():
+    assert {os.path.basename(p) for p in SNIPPETS} >= {"vllm-prefill.json", "vllm-decode.json",
+                                                       "vllm-cpu-prefill.json", "vllm-cpu-decode.json"}
+
+
+@pytest.mark.parametrize("path", SNIPPETS, ids=os.path.basename)
+def test_snippet_resolves(path):
+    with open(path) as f:
+        cfg = json.load(f)
+    assert cfg["kv_connector"] == "OffloadingConnector"
+    extra = cfg["kv_connector_extra_config"]
+    spec_cls = OffloadingSpecFactory.get_spec_cls(extra)
+    assert spec_cls.__name__ == extra["spec_name"]
+    assert int(extra["cpu_bytes_to_use"]) > 0
+    (tier,) = extra["secondary_tiers"]
+    tier_cls = getattr(importlib.import_module(tier["module_path"]), tier["type"])
+    assert issubclass(tier_cls, SecondaryTierManager)
+    wc = load_config(os.path.join(ROOT, tier["worker_config"]))
+    assert wc.control.port == tier["port"]
