@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 
@@ -144,6 +143,7 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn) -> 
                 break
             if cmd[0] == "store":  # what prefill does: primary store, then the cascade parks it in the tier
                 _, rid, n = cmd
+                timed.take()  # from here on: the producer's tier calls for this request (store + cascade)
                 ctx = ReqContext(req_id=rid, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
                 keys = [key(rid, i) for i in range(n)]
                 with lock:
@@ -155,14 +155,13 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn) -> 
                     mgr.complete_store(out.keys_to_store, ctx)
                     mgr.on_request_finished(ctx)
                 step([rid])
-                timed.take()  # the store cascade is timed from here on, while the consumer fetches
                 conn.send("stored")
             elif cmd[0] == "drain":  # producer: wait until the tier reported its jobs, then report its calls
                 deadline = time.monotonic() + 30
                 while mgr._jobs and time.monotonic() < deadline:
                     step()
                     time.sleep(0.001)
-                conn.send({"calls": timed.take(), "left": len(mgr._jobs)})
+                conn.send({"calls": timed.take(), "left": len(mgr._jobs), "off_thread_s": timed.off_thread_s})
             elif cmd[0] == "fetch":
                 _, rid, n, pport = cmd
                 ctx = ReqContext(req_id=f"d-{rid}", kv_transfer_params={"remote_prefiller": {
@@ -195,7 +194,8 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn) -> 
                         mgr.complete_load(keys, ctx)
                 with lock:
                     mgr.on_request_finished(ctx)
-                conn.send({"s": dt, "ok": ok, "results": sorted({r.name for r in res}), "calls": timed.take()})
+                conn.send({"s": dt, "ok": ok, "results": sorted({r.name for r in res}), "calls": timed.take(),
+                           "off_thread_s": timed.off_thread_s})
     finally:
         del view
         mgr.shutdown()
@@ -228,6 +228,7 @@ class Pair:
         assert self.p_conn.poll(60)
         prod = self.p_conn.recv()
         out["producer_calls"] = prod["calls"]
+        out["producer_off_thread_s"] = prod["off_thread_s"]
         return out
 
     def close(self) -> None:
@@ -255,7 +256,7 @@ def summarize(reps: list[dict], row: int, n: int) -> dict:
     out = {"cold_ms": round(reps[0]["s"] * 1e3, 1), "warm_ms": round(statistics.median(fetch) * 1e3, 1),
            "warm_GBps": round(row * n / statistics.median(fetch) / 1e9, 3),
            "all_ok": all(r["ok"] for r in reps)}
-    for side, field in (("consumer", "calls"), ("producer", "producer_calls")):
+    for side, field, off in (("consumer", "calls", "off_thread_s"), ("producer", "producer_calls", "producer_off_thread_s")):
         per_call: list[float] = []
         per_req: list[float] = []
         by_name: dict[str, list[float]] = {}
@@ -272,7 +273,11 @@ def summarize(reps: list[dict], row: int, n: int) -> dict:
                      "per_call_p99_us": round(_pct(per_call, 0.99) * 1e6, 1),
                      "per_request_ms": round(statistics.median(per_req) * 1e3, 3),
                      "calls_per_request": round(len(per_call) / max(1, len(warm)), 1),
-                     "by_method_p50_us": {k: round(_pct(v, 0.5) * 1e6, 1) for k, v in sorted(by_name.items())}}
+                     # 0.33's tier-poll thread (tolerates_off_thread_polling) holds the manager lock too
+                     "off_thread_ms_whole_run": round(reps[-1][off] * 1e3, 3),
+                     "by_method_us": {k: {"n": len(v), "p50": round(_pct(v, 0.5) * 1e6, 1),
+                                          "p99": round(_pct(v, 0.99) * 1e6, 1), "max": round(max(v) * 1e6, 1)}
+                                      for k, v in sorted(by_name.items())}}
     return out
 
 
@@ -281,7 +286,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="requests per geometry and tier (the first one is cold)")
     ap.add_argument("--geometries", default="16384x64,16384x512,262144x64,262144x512", help="ROW_BYTESxCHUNKS,...")
     ap.add_argument("--tiers", default="ours,intree")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", metavar="FILE", help="also write every figure (per method) to FILE")
     a = ap.parse_args()
     import vllm
 
@@ -307,21 +312,20 @@ def main() -> None:
                     g["intree"]["producer"]["per_request_ms"] / max(1e-9, g["ours"]["producer"]["per_request_ms"]), 1),
             }
         results["geometries"][f"{row // 1024} KiB x {n}"] = g
-        if not a.json:
-            print(f"== {row // 1024} KiB x {n} chunks ({row * n / 2**20:.0f} MiB), vLLM {vllm.__version__}", flush=True)
-            for k in pairs:
-                s = g[k]
-                print(f"  {k:7s} cold {s['cold_ms']:7.1f} ms  warm {s['warm_ms']:7.1f} ms ({s['warm_GBps']:.2f} GB/s)"
-                      f"  ok={s['all_ok']}  | consumer sched {s['consumer']['per_request_ms']:.3f} ms/req "
-                      f"(p50 {s['consumer']['per_call_p50_us']} / p99 {s['consumer']['per_call_p99_us']} us/call, "
-                      f"{s['consumer']['calls_per_request']} calls) | producer sched "
-                      f"{s['producer']['per_request_ms']:.3f} ms/req (p50 {s['producer']['per_call_p50_us']} / "
-                      f"p99 {s['producer']['per_call_p99_us']} us/call)", flush=True)
-            if "ratios" in g:
-                print(f"  ratios: {g['ratios']}", flush=True)
+        print(f"== {row // 1024} KiB x {n} chunks ({row * n / 2**20:.0f} MiB), vLLM {vllm.__version__}", flush=True)
+        for k in pairs:
+            s = g[k]
+            print(f"  {k:7s} cold {s['cold_ms']:7.1f} ms  warm {s['warm_ms']:7.1f} ms ({s['warm_GBps']:.2f} GB/s)"
+                  f"  ok={s['all_ok']}  | consumer sched {s['consumer']['per_request_ms']:.3f} ms/req "
+                  f"(p50 {s['consumer']['per_call_p50_us']} / p99 {s['consumer']['per_call_p99_us']} us/call, "
+                  f"{s['consumer']['calls_per_request']} calls) | producer sched "
+                  f"{s['producer']['per_request_ms']:.3f} ms/req (p50 {s['producer']['per_call_p50_us']} / "
+                  f"p99 {s['producer']['per_call_p99_us']} us/call)", flush=True)
+        if "ratios" in g:
+            print(f"  ratios: {g['ratios']}", flush=True)
     if a.json:
-        json.dump(results, sys.stdout, indent=1)
-        print()
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

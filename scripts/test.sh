@@ -8,7 +8,7 @@ scripts/setup.sh --vllm
 .venv/bin/python -m pytest "$@"
 for v in .venv-vllm033 .venv-vllmcpu032; do
   echo "== tests/vllm under $v"
-  "$v"/bin/python -m pytest tests/vllm
+  "$v"/bin/python -m pytest tests/vllm tests/fault/test_adapter_faults.py
 done
 echo "== tests/e2e (real vllm serve PD pair on vLLM's CPU backend) under .venv-vllmcpu032"
 .venv-vllmcpu032/bin/python -m pytest tests/e2e

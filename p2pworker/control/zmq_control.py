@@ -544,7 +544,8 @@ class ZmqControl(ControlTransport):
             self._drop(link)
             return
         self._send_quiet(link, K_WELCOME, b"")
-        self._up(link)
+        if link.state is LinkState.CHALLENGED:  # the welcome can find the peer gone: then it never was up
+            self._up(link)
 
     # ------------------------------------------------------------ timers
     def _tick(self) -> None:

@@ -148,6 +148,34 @@ def test_hostile_handshakes_are_refused_and_the_acceptor_lives_on(pair):
     pump({"a": a, "b": b}, lambda e: of(e, "b", Received))
 
 
+def test_a_peer_gone_before_the_welcome_never_comes_up(pair):
+    """A peer that proves the secret and vanishes before the acceptor answers: no LinkUp without a LinkDown
+    (found by tests/fault: every such race leaked a session in the worker)."""
+    from p2pworker.control.zmq_control import K_CHALLENGE, _Auth, _Challenge
+
+    _, b = pair
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 2000)
+    s.setsockopt(zmq.RCVTIMEO, 3000)
+    s.connect(b.address)
+    nonce = b"c" * 16
+    try:
+        s.send_multipart([K_HELLO, msgspec.msgpack.encode(_Hello(1, "ghost", nonce))])
+        (kind, body), _ = _serve_until(b, s)
+        assert kind == K_CHALLENGE
+        ch = msgspec.msgpack.decode(body, type=_Challenge)
+        proof = b._proof(b"client", nonce, ch.nonce, "ghost", ch.node_id)
+        s.send_multipart([K_AUTH, msgspec.msgpack.encode(_Auth(proof))])
+    finally:
+        s.close()  # flushes the proof (linger), then the connection is gone
+        ctx.term()
+    time.sleep(0.2)
+    ev = drain_for({"b": b}, 1.0)
+    ups, downs = of(ev, "b", LinkUp), of(ev, "b", LinkDown)
+    assert len(ups) == len(downs), (ups, downs)
+
+
 def test_oversized_frames_are_refused_on_both_ends(pair):
     a, b = pair
     small = ZmqControl(cfg(max_frame_bytes=64 << 10), node_id="SMALL")

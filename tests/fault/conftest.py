@@ -1,0 +1,177 @@
+"""Fault suite harness: real workers (``p2pworker launch``) on loopback, each with its own KV region,
+driven through their rings as the vLLM adapter would; figures collected for the README table."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from p2pworker import api
+from p2pworker.client import WorkerClient
+from p2pworker.shm import KVRegion
+
+try:  # test_adapter_faults.py needs vLLM (it runs in the vLLM venvs, see scripts/test.sh)
+    import vllm  # noqa: F401
+except ImportError:
+    collect_ignore = ["test_adapter_faults.py"]
+
+SECRET = "fault-suite"
+BLOCKS, BLOCK_BYTES = 256, 256 * 1024  # 64 MiB regions
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Node:
+    """One worker with its region (random bytes), as an engine's adapter would own them."""
+
+    def __init__(self, name: str, prefix: str, tmp, *, port: int = 0, identity: dict | None = None,
+                 block_bytes: int = BLOCK_BYTES, args: list[str] | None = None, seed: int = 0):
+        self.name, self.prefix, self.tmp, self.port = name, prefix, tmp, port
+        self.identity = identity or {"model": "fault-suite"}
+        self.block_bytes = block_bytes
+        self.region = KVRegion.create(f"{prefix}{name}", BLOCKS, block_bytes, segment_bytes=1 << 30)
+        self.region.array()[:] = np.random.default_rng(seed).integers(0, 256, size=(BLOCKS, block_bytes),
+                                                                      dtype=np.uint8)
+        self.args = args or []
+        self.client: WorkerClient | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.admin = str(self.tmp / f"{self.name}-{time.monotonic_ns()}.admin")
+        self.client = WorkerClient(self.name, args=["--port", str(self.port), *self.args, "--admin", self.admin],
+                                   env={"P2PWORKER_SECRET": SECRET})
+        self.client.attach(self.region.handle, self.identity)
+        if self.port == 0:
+            self.port = int(self.client.ready.address.rsplit(":", 1)[1])
+
+    @property
+    def pid(self) -> int:
+        return self.client.proc.pid
+
+    @property
+    def address(self) -> str:
+        return self.client.ready.address.removeprefix("tcp://")
+
+    def status(self) -> dict:
+        from p2pworker.admin import query
+
+        return query(self.admin)
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        os.kill(self.pid, sig)
+
+    def close(self) -> int | None:
+        if self.client is None:
+            return None
+        c, self.client = self.client, None
+        return c.close()
+
+
+class Jobs:
+    """Job ids, and the exactly-once bookkeeping of what each worker reported."""
+
+    def __init__(self):
+        self.next = 0
+        self.reported: dict[int, api.JobFinished] = {}
+
+    def new(self) -> int:
+        self.next += 1
+        return self.next
+
+    def collect(self, node: Node, want: set[int], timeout_s: float) -> dict[int, api.JobFinished]:
+        deadline = time.monotonic() + timeout_s
+        got = {}
+        while not want <= set(self.reported):
+            for ev in node.client.poll():
+                if isinstance(ev, api.JobFinished):
+                    assert ev.job_id not in self.reported, f"job {ev.job_id} reported twice"
+                    self.reported[ev.job_id] = ev
+            if time.monotonic() > deadline:
+                raise AssertionError(f"jobs {sorted(want - set(self.reported))} not reported within {timeout_s} s")
+            time.sleep(0.001)
+        for j in want:
+            got[j] = self.reported[j]
+        return got
+
+
+def park(prod: Node, jobs: Jobs, req: str, keys: list[bytes], rows: list[int], finished: bool = True) -> int:
+    j = jobs.new()
+    assert prod.client.send(api.StoreJob(j, req, keys, rows))
+    if finished:
+        assert prod.client.send(api.RequestFinished(req))
+    return j
+
+
+def load(cons: Node, prod_address: str, jobs: Jobs, req: str, keys: list[bytes], rows: list[int]) -> int:
+    j = jobs.new()
+    assert cons.client.send(api.LoadJob(j, prod_address, req, keys, rows))
+    return j
+
+
+def keys_for(req: str, n: int) -> list[bytes]:
+    return [f"{req}/{i}".encode() for i in range(n)]
+
+
+def pd(prod: Node, cons: Node, jobs: Jobs, req: str, n: int = 16, timeout_s: float = 30.0, verify: bool = True):
+    """One whole PD request prod -> cons; returns (load report, store report)."""
+    rng = np.random.default_rng(abs(hash(req)) % (1 << 32))
+    src, dst = rng.permutation(BLOCKS)[:n].tolist(), rng.permutation(BLOCKS)[:n].tolist()
+    keys = keys_for(req, n)
+    sj = park(prod, jobs, req, keys, src)
+    lj = load(cons, prod.address, jobs, req, keys, dst)
+    ld = jobs.collect(cons, {lj}, timeout_s)[lj]
+    if not ld.success:
+        return ld, None  # the parked store is reported when park_timeout_s passes (or at shutdown)
+    st = jobs.collect(prod, {sj}, timeout_s)[sj]
+    if verify:
+        assert (cons.region.array()[dst] == prod.region.array()[src]).all(), "bytes differ"
+    return ld, st
+
+
+@pytest.fixture
+def nodes(shm_prefix, tmp_path):
+    made: list[Node] = []
+
+    def make(name: str, **kw) -> Node:
+        n = Node(name, shm_prefix, tmp_path, **kw)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        try:
+            n.close()
+        finally:
+            n.region.close()
+
+
+@pytest.fixture(scope="session")
+def figures():
+    """Measured figures; written to $P2PWORKER_FIGURES (JSON lines) for benchmarks/reliability_table.py."""
+    rows: list[dict] = []
+    yield rows
+    path = os.environ.get("P2PWORKER_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+def figure(figures, promise: str, measured: str, bound: str) -> None:
+    figures.append({"promise": promise, "measured": measured, "bound": bound})
+    print(f"\nFIGURE {promise}: {measured} (bound {bound})")
