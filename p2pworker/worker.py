@@ -178,7 +178,18 @@ class Worker:
                 self.stop(f"the adapter is gone (command ring producer {status})")
         self._flush_events()
         self.admin.serve()
-        return did or self._in_flight() or bool(self.pending)
+        return did or self._needs_polling() or bool(self.pending)
+
+    def _needs_polling(self) -> bool:
+        """Sleep short (busy_poll_s) only while polling makes progress: our own posted transfers (NIXL progress
+        and completions), or loads whose data arrives through the ZMQ fallback's sockets.  A NIXL consumer waiting
+        for a producer's one-sided writes has nothing to poll: it sleeps on its sockets until TransferDone."""
+        data = self.data
+        if data is None:
+            return False
+        if data.in_flight():
+            return True
+        return data.backend != "nixl" and any(s.open_loads for s in self.sessions.values())
 
     def _in_flight(self) -> bool:
         if self.data is not None and self.data.in_flight():
