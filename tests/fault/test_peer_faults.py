@@ -5,6 +5,7 @@ Default liveness: heartbeats every 1 s, a peer silent for 3 intervals is dead (t
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -233,3 +234,30 @@ def test_shutdown_under_load_writes_nothing_after_close(nodes, figures):
     assert a.client.alive()
     assert pd(a, nodes("ce", seed=5), jobs, "producer-still-serves")[0].success
     figure(figures, "shutdown under load: rows written after close()", f"{bad} of {BLOCKS}", "0")
+
+
+def test_adapter_dies_worker_drains_deregisters_exits(nodes, children, shm_prefix, tmp_path, figures):
+    """The adapter's process (vLLM) dies with a load in flight: its worker notices within the liveness
+    period, fails and drains what it had, deregisters, unmaps and exits; its rings and admin socket are
+    gone, and its peer keeps serving others."""
+    from p2pworker.shm.liveness import process_alive
+    from p2pworker.shm.sweep import leftovers, sweep
+    from tests.fault.adapter_child import adapter_with_load_in_flight
+    from tests.fault.conftest import SECRET
+
+    a = nodes("pa")
+    q = children.ctx.Queue()
+    admin = str(tmp_path / "orphan.admin")
+    child = children.start(adapter_with_load_in_flight, shm_prefix + "orphan", admin, a.address, SECRET, q)
+    pid, started, prefix = q.get(timeout=60)
+    os.kill(child.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while process_alive(pid, started):
+        assert time.monotonic() - t0 < 5.0, "worker still running 5 s after its adapter died"
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert not leftovers(prefix), "ring files left behind"
+    assert not os.path.exists(admin), "admin socket left behind"
+    assert sweep(shm_prefix + "orphan")  # the dead adapter owned the region file (vLLM's to remove)
+    assert pd(a, nodes("cd", seed=2), Jobs(), "peer-still-serves")[0].success
+    figure(figures, "adapter SIGKILLed with a load in flight: worker gone, nothing left", f"{took:.2f} s", "< 5 s")
