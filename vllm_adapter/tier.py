@@ -13,9 +13,12 @@ shared-memory ring, results come back with ``try_get``.  The only waits are in
 ``shutdown`` (whose contracts are to wait).
 
 ``tolerates_off_thread_polling = True`` (0.33): ``get_finished_jobs`` only
-reads the event ring and this object's own dictionaries, which the manager's
-lock already serialises, so letting vLLM's tier-poll thread call it between
-engine steps is safe, and it reports finished loads sooner (lower TTFT).
+touches the two rings (it reads events and puts the commands other calls
+queued) and this object's own dictionaries, which the manager's lock already
+serialises, so letting vLLM's tier-poll thread call it between engine steps
+is safe; it reports finished loads sooner (lower TTFT) and takes the ring
+writes off the scheduler thread (without a poll thread, 0.32, they happen once
+per step in ``on_schedule_end``).
 
 Roles, from ``kv_transfer_params`` (vLLM's keys):
 
