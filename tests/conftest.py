@@ -42,6 +42,19 @@ def no_shm_leftovers_after_suite():
     assert not admin_left, f"the suite left worker admin sockets behind: {sorted(admin_left)}"
 
 
+@pytest.fixture
+def free_port():
+    """A function returning a loopback TCP port that was free a moment ago."""
+    import socket
+
+    def get() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return get
+
+
 class Children:
     """Spawned child processes of one test; all are reaped (killed if needed) at teardown."""
 

@@ -15,18 +15,6 @@ from tests.vllm.harness import Engine, LookupResult, ReqContext, run_until
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture
-def free_port():
-    import socket
-
-    def get() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    return get
-
-
 def test_worker_sigkill_under_load_fails_every_job_once_within_1s(free_port, figures, monkeypatch):
     """Worker SIGKILL under load: the tier reports every in-flight job failed exactly once (vLLM's manager
     asserts on a duplicate) within 1 s, lookups MISS meanwhile, and a restarted worker serves the next
