@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Data-plane throughput: raw NIXL vs our NIXL transport vs ZMQ fallback vs memcpy (JSON lines).
+"""Data-plane read (pull) throughput: raw NIXL vs our NIXL transport vs ZMQ fallback vs memcpy (JSON lines).
 
     python benchmarks/data_throughput.py [--block-bytes 16384 262144] [--blocks 64 512] [--reps 11] [--batch-mib 32]
 """

@@ -128,13 +128,22 @@ class PeerDown(msgspec.Struct, tag="peer_down"):
 
 class WorkerError(msgspec.Struct, tag="error"):
     message: str
+    fatal: bool = False  # a configuration error (e.g. the data plane cannot run): restarting will not help
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Sent every HEARTBEAT_S by a worker whose loop runs: a live pid alone does not prove that."""
+
+    seq: int
 
 
 class Drained(msgspec.Struct, tag="drained"):
     pass
 
 
-Event = Union[Ready, JobFinished, LookupResult, PeerLookup, PeerUp, PeerDown, WorkerError, Drained]
+Event = Union[Ready, JobFinished, LookupResult, PeerLookup, PeerUp, PeerDown, WorkerError, Drained, Heartbeat]
+
+HEARTBEAT_S = 0.5  # the worker loop wakes at least every tick_s (50 ms), so this costs nothing extra
 
 RING_NSLOTS = 256
 RING_SLOT_BYTES = 64 * 1024  # ~1,500 keys of 32 bytes plus their rows per job

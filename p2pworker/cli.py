@@ -114,7 +114,7 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
         click.echo(f"worker {st['name']} (pid {st['pid']})  {st['state']}  up {st['uptime_s']:.0f} s")
         click.echo(f"  control {st['address']}  data {st['backend']}  fingerprint {st['fingerprint']}")
         click.echo(f"  jobs in flight {st['jobs_in_flight']}  transfers in flight {st['transfers_in_flight']}  "
-                   f"bytes written {st['bytes_written']}  parked requests {st['parked_requests']}")
+                   f"bytes read {st['bytes_read']}  parked requests {st['parked_requests']}")
         click.echo(f"  errors {st['counters'].get('errors', 0)}  protocol errors {st['counters'].get('protocol_errors', 0)}"
                    f"  peer deaths {st['counters'].get('peer_deaths', 0)}")
         if st["sessions"]:

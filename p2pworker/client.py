@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -79,6 +80,16 @@ class WorkerClient:
             return [self.evt.get(timeout_s=timeout_s)] + self.poll()
         except TimeoutError:
             return []
+
+    def kill(self) -> None:
+        """SIGKILL the worker (a wedged one: its pid lives, its loop does not).  Whether it is gone yet is
+        :meth:`alive`'s answer: a stopped process dies only when the kernel gets to it."""
+        pid = self.proc.pid if self.proc is not None else self.evt.peer_pid
+        if pid > 0:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def alive(self) -> bool:
         return self.evt.peer_alive() and (self.proc is None or self.proc.poll() is None)

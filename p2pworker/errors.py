@@ -51,7 +51,8 @@ class TransferFailed(P2PError):
 
 
 class DataPlaneUnavailable(P2PError):
-    """The configured data-plane backend cannot run here (library missing, backend not created)."""
+    """The configured data-plane backend cannot run here (library missing, backend not created,
+    region not registered); the message names the cause and the remedy."""
 
 
 class FingerprintMismatch(P2PError):

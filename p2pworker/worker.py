@@ -34,14 +34,20 @@ from p2pworker.admin import AdminServer
 from p2pworker.config import WorkerConfig
 from p2pworker.control import LinkDown, LinkUp, Received, ZmqControl
 from p2pworker.data import make_data_transport
-from p2pworker.errors import Backpressure, P2PError, PeerLost, RemoteProtocolError
+from p2pworker.errors import P2PError, TransferFailed
 from p2pworker.fingerprint import Fingerprint
-from p2pworker.protocol.messages import PROTOCOL_VERSION
+from p2pworker.protocol.messages import PROTOCOL_VERSION, encode
 from p2pworker.session import (
+    Action,
+    AddDataPeer,
+    CancelReads,
     JobDone,
     LookupAnswer,
     ParkingLot,
+    PostRead,
+    RemoveDataPeer,
     Reporter,
+    Send,
     ServeLookup,
     Session,
     SessionClosed,
@@ -56,6 +62,8 @@ log = logging.getLogger("p2pworker.worker")
 CORRUPT_ENV = "P2PWORKER_TEST_CORRUPT_LOADS"  # test-only: see Worker._scramble
 
 LIVENESS_CHECK_S = 0.25
+RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
+RECONNECT_MAX_S = 5.0
 
 
 class Worker:
@@ -88,7 +96,10 @@ class Worker:
         self.fingerprint: Fingerprint | None = None
         self.sessions: dict[str, Session] = {}  # control link id -> session
         self.out_links: dict[str, str] = {}  # peer address -> outbound link id
-        self._broken: set[str] = set()
+        self._settling: list[Session] = []  # closed sessions whose cancelled reads have not settled yet
+        self._reads: dict[int, tuple[Session, int]] = {}  # data transfer id -> (session, its read id)
+        self._tids: dict[tuple[Session, int], int] = {}  # (session, read id) -> data transfer id
+        self._retry: dict[str, tuple[float, float, str]] = {}  # address -> (not before, next backoff, why)
         self.pending: collections.deque = collections.deque()  # events the full event ring could not take
         self.stopping = False
         self.stop_reason = ""
@@ -97,6 +108,8 @@ class Worker:
         self._signals = 0
         self._next_tick = clock()
         self._next_liveness = clock()
+        self._next_heartbeat = clock()
+        self._heartbeats = 0
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
         self._poll_socks: tuple = ()
@@ -150,27 +163,23 @@ class Worker:
                 did = True
                 self._on_control(ev)
         if self.data is not None:
-            done, failed = self.data.poll()
-            for tid in done:
-                self.ctx.on_write_result(tid, True)
-            for tid, reason in failed:
-                self.ctx.on_write_result(tid, False, reason)
-            did = did or bool(done) or bool(failed)
-        for link in list(self._broken):
-            self._broken.discard(link)
-            s = self.sessions.get(link)
-            if s is not None:
-                s.close("control link unusable")
+            did = self._poll_data() or did
         now = self.clock()
         if now >= self._next_tick:
             self._next_tick = now + self.cfg.tick_s
-            for s in list(self.sessions.values()):
-                s.tick()
+            for link, s in list(self.sessions.items()):
+                self._run(link, s, s.tick())
+            for s in list(self._settling):
+                self._run(None, s, s.tick())
             if self.ctx is not None:
                 self.ctx.lot.tick()
             if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
                 self._drained_sent = True  # draining stays in force: new work is still refused
                 self.reporter.emit(api.Drained())
+        if now >= self._next_heartbeat and not self.pending:  # events waiting prove liveness already
+            self._next_heartbeat = now + api.HEARTBEAT_S
+            self._heartbeats += 1
+            self.reporter.emit(api.Heartbeat(self._heartbeats))
         if now >= self._next_liveness:
             self._next_liveness = now + LIVENESS_CHECK_S
             status = self.cmd.peer_status()
@@ -180,21 +189,43 @@ class Worker:
         self.admin.serve()
         return did or self._needs_polling() or bool(self.pending)
 
+    def _poll_data(self) -> bool:
+        """Hand settled reads back to the sessions that posted them."""
+        done, failed = self.data.poll()
+        for tid in done:
+            self._read_result(tid, True, "")
+        for tid, reason in failed:
+            self._read_result(tid, False, reason)
+        return bool(done) or bool(failed)
+
+    def _read_result(self, tid: int, ok: bool, reason: str) -> None:
+        owner = self._reads.pop(tid, None)
+        if owner is None:
+            self.counters["unowned_transfers"] += 1
+            return
+        s, rid = owner
+        del self._tids[(s, rid)]
+        self._run(self._link_of(s), s, s.on_read_result(rid, ok, reason))
+
+    def _link_of(self, s: Session) -> str | None:
+        link = getattr(s, "link", None)
+        return link if link is not None and self.sessions.get(link) is s else None
+
     def _needs_polling(self) -> bool:
-        """Sleep short (busy_poll_s) only while polling makes progress: our own posted transfers (NIXL progress
-        and completions), or loads whose data arrives through the ZMQ fallback's sockets.  A NIXL consumer waiting
-        for a producer's one-sided writes has nothing to poll: it sleeps on its sockets until TransferDone."""
+        """Sleep short (busy_poll_s) only while polling makes progress: our own posted reads (NIXL progress and
+        completions, the ZMQ fallback's replies), or leased rows a peer may be reading (a passive NIXL target
+        must progress over transports other than cma).  An idle worker sleeps on its sockets."""
         data = self.data
         if data is None:
             return False
         if data.in_flight():
             return True
-        return data.backend != "nixl" and any(s.open_loads for s in self.sessions.values())
+        return self.ctx is not None and any(p.lease is not None for p in self.ctx.lot.parcels.values())
 
     def _in_flight(self) -> bool:
         if self.data is not None and self.data.in_flight():
             return True
-        return any(s.open_loads for s in self.sessions.values())
+        return bool(self._settling) or any(s.open_loads or s.leases for s in self.sessions.values())
 
     def _sleep(self, busy: bool) -> None:
         if self.data is not None and self.data.has_backlog():
@@ -229,7 +260,12 @@ class Worker:
             try:
                 self._handle(cmd)
             except P2PError as e:
-                self._error(f"{type(cmd).__name__}: {e}")
+                self._error(f"{type(cmd).__name__}: {e}", fatal=isinstance(cmd, api.AttachRegion))
+            except Exception as e:
+                if not isinstance(cmd, api.AttachRegion):
+                    raise
+                # A library that fails in its own way at start (NIXL, ZMQ): the cause, not a crash loop.
+                self._error(f"AttachRegion: {type(e).__name__}: {e}", fatal=True)
         return did
 
     def _handle(self, cmd: api.Command) -> None:
@@ -237,39 +273,45 @@ class Worker:
             case api.StoreJob():
                 if self._refuse(cmd.job_id, "store"):
                     return
-                self.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
+                self._pump(self.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
             case api.LoadJob():
                 if self._refuse(cmd.job_id, "load"):
                     return
-                s = self._session_for(cmd.address)
+                s, why = self._session_for(cmd.address)
                 if s is None:
-                    self._fail_now(cmd.job_id, "load", f"peer {cmd.address} unreachable")
+                    self._fail_now(cmd.job_id, "load", why)
                     return
                 if self._corrupt is not None:
                     self._corrupt[cmd.job_id] = dict(zip(cmd.keys, cmd.rows))
-                s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
+                self._run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
             case api.LookupKeys():
-                s = None if self.ctx is None or self.stopping else self._session_for(cmd.address)
+                s, why = (None, "worker not ready") if self.ctx is None or self.stopping else \
+                    self._session_for(cmd.address)
                 if s is None:
                     self.reporter.open_lookup(cmd.lookup_id)
-                    self.reporter.lookup_done(cmd.lookup_id, None, f"peer {cmd.address} unreachable or worker not ready")
+                    self.reporter.lookup_done(cmd.lookup_id, None, why)
                     return
-                s.lookup(cmd.lookup_id, cmd.keys, cmd.request_id)
+                self._run(s.link, s, s.lookup(cmd.lookup_id, cmd.keys, cmd.request_id))
             case api.AnswerLookup():
-                for s in self.sessions.values():
-                    if s.peer_id == cmd.peer_id and s.answer_lookup(cmd.lookup_id, cmd.present):
-                        break
+                for link, s in list(self.sessions.items()):
+                    if s.peer_id == cmd.peer_id:
+                        answered, actions = s.answer_lookup(cmd.lookup_id, cmd.present)
+                        if answered:
+                            self._run(link, s, actions)
+                            break
             case api.RequestFinished():
                 if self.ctx is not None:
-                    self.ctx.lot.request_finished(cmd.request_id)
+                    self._pump(self.ctx.lot.request_finished(cmd.request_id))
             case api.OpenSession():
                 self._session_for(cmd.address)
             case api.CloseSession():
-                link = self.out_links.pop(_addr_key(cmd.address), None)
-                if link is not None:
-                    s = self.sessions.pop(link, None)
-                    if s is not None:
-                        s.close("closed by the adapter", bye=True)
+                link = self.out_links.get(_addr_key(cmd.address))
+                s = self.sessions.get(link) if link is not None else None
+                if s is not None:
+                    self._run(link, s, s.close("closed by the adapter", bye=True))
+                    self._retry.pop(_addr_key(cmd.address), None)  # asked for, not a failure: no backoff
+                elif link is not None:
+                    self.out_links.pop(_addr_key(cmd.address), None)
                     self.ctl.disconnect(link)
             case api.AttachRegion():
                 self._attach(cmd)
@@ -315,7 +357,7 @@ class Worker:
         lot = ParkingLot(self.reporter, self.clock, block_bytes=region.block_bytes,
                          park_timeout_s=cfg.session.park_timeout_s)
         self.ctx = SessionContext(
-            node_id=ctl.node_id, data_info=data.local_info(), fingerprint=self.fingerprint, data=data,
+            node_id=ctl.node_id, data_info=data.local_info(), fingerprint=self.fingerprint,
             reporter=self.reporter, lot=lot, clock=self.clock, config=cfg.session,
         )
         log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
@@ -323,68 +365,145 @@ class Worker:
         self.reporter.emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint))
 
     # ------------------------------------------------------------ sessions
-    def _session_for(self, address: str) -> Session | None:
+    def _session_for(self, address: str) -> tuple[Session | None, str]:
+        """The session of the outbound link to ``address`` (connecting one if needed), or (None, why not)."""
         if self.ctl is None:
-            return None
+            return None, "worker has no region attached yet"
         key = _addr_key(address)
         link = self.out_links.get(key)
         if link is None:
+            retry = self._retry.get(key)
+            if retry is not None and self.clock() < retry[0]:
+                return None, f"session to {address} closed ({retry[2]}); reconnecting in {retry[0] - self.clock():.1f} s"
             try:
                 link = self.ctl.connect(address)
             except P2PError as e:
                 log.warning("cannot connect to %s: %s", address, e)
-                return None
+                return None, f"peer {address} unreachable: {e}"
             self.out_links[key] = link
         s = self.sessions.get(link)
         if s is None:
             s = self.sessions[link] = self._new_session(link, None)
-        return s
+        return s, ""
 
     def _new_session(self, link: str, peer: str | None) -> Session:
-        def send(frame: bytes, link=link) -> None:
-            try:
-                self.ctl.send(link, frame)
-            except (PeerLost, Backpressure, P2PError) as e:
-                log.warning("control link %s: %s; closing its session", link, e)
-                self._broken.add(link)
+        s = Session(self.ctx, expected_peer_id=peer)
+        s.link = link
+        return s
 
-        return Session(self.ctx, send, expected_peer_id=peer)
+    def _pump(self, p) -> None:
+        """The parking lot has news for the session serving ``p``'s lease (new stores, request finished)."""
+        if p is not None and p.lease is not None and p.lease.owner is not None:
+            s = p.lease.owner
+            self._run(self._link_of(s), s, s.pump(p))
+
+    def _run(self, link: str | None, s: Session, actions: list[Action]) -> None:
+        """Perform what a session asked for, in order.  Failures feed back into the session (iteratively, never
+        re-entrantly): a send that fails closes it; a refused data peer closes it before anything else goes out;
+        a read that cannot be posted is reported failed to it."""
+        todo = collections.deque(actions)
+        while todo:
+            a = todo.popleft()
+            match a:
+                case Send(msg=msg):
+                    if link is None:
+                        continue  # a retired session: its link is gone
+                    try:
+                        self.ctl.send(link, encode(msg))
+                    except P2PError as e:
+                        log.warning("control link %s: %s; closing its session", link, e)
+                        link_was, link = link, None  # nothing more goes out on it
+                        todo.extend(s.close(f"control link {link_was} unusable: {e}"))
+                case AddDataPeer(info=info):
+                    try:
+                        self.data.add_peer(link, info)
+                    except TransferFailed as e:
+                        todo.clear()  # not the HelloAck, not the queued messages
+                        todo.extend(s.close(f"data plane refused the peer: {e}", bye=True))
+                case RemoveDataPeer():
+                    if getattr(s, "link", None) is not None:
+                        self.data.remove_peer(s.link)
+                case PostRead(read_id=rid, local_rows=local, remote_rows=remote):
+                    try:
+                        tid = self.data.read_blocks(s.link, local, remote)
+                    except TransferFailed as e:
+                        todo.extend(s.on_read_result(rid, False, f"read refused: {e}"))
+                    else:
+                        self._reads[tid] = (s, rid)
+                        self._tids[(s, rid)] = tid
+                case CancelReads(read_ids=rids):
+                    tids = [self._tids[(s, r)] for r in rids if (s, r) in self._tids]
+                    if tids:
+                        self.data.cancel(tids)
+        if s.state is State.CLOSED:
+            self._retire(s)
+
+    def _retire(self, s: Session) -> None:
+        """Forget a closed session's link; keep the session until its cancelled reads settled."""
+        link = getattr(s, "link", None)
+        if link is not None and self.sessions.get(link) is s:
+            del self.sessions[link]
+            out = link.startswith("out-")
+            lk = self.ctl.link(link) if self.ctl is not None else None
+            if out and lk is not None and lk.address:
+                key = _addr_key(lk.address)
+                if self.out_links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
+                    # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
+                    # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
+                    del self.out_links[key]
+                    self.ctl.disconnect(link)
+                    _, backoff, _ = self._retry.get(key, (0.0, RECONNECT_MIN_S, ""))
+                    self._retry[key] = (self.clock() + backoff, min(2 * backoff, RECONNECT_MAX_S), s.close_reason)
+            elif not out and self.ctl is not None and s.counters["protocol_errors"]:
+                self.ctl.disconnect(link)  # a peer that broke the protocol reconnects if it wants to talk again
+        if s.settled:
+            if s in self._settling:
+                self._settling.remove(s)
+        elif s not in self._settling:
+            self._settling.append(s)
 
     def _on_control(self, ev) -> None:
         if isinstance(ev, Received):
             s = self.sessions.get(ev.link)
             if s is None:
                 return
-            try:
-                s.receive(ev.payload)
-            except RemoteProtocolError as e:
+            actions = s.receive(ev.payload)
+            if s.state is State.CLOSED and s.counters["protocol_errors"]:
                 self.counters["protocol_errors"] += 1
-                log.warning("peer %s broke the protocol: %s; session closed", s.peer_id or ev.link, e)
-                if not ev.link.startswith("out-"):
-                    self.sessions.pop(ev.link, None)
-                    self.ctl.disconnect(ev.link)
+                log.warning("peer %s: %s; session closed", s.peer_id or ev.link, s.close_reason)
+            self._run(ev.link, s, actions)
         elif isinstance(ev, LinkUp):
+            old = self.sessions.get(ev.link)
+            if old is not None and old.state is not State.IDLE:
+                self._run(None, old, old.close("superseded by a new incarnation of the link"))
+                self._retire(old)
             s = self.sessions.get(ev.link)
+            if s is None:
+                s = self.sessions[ev.link] = self._new_session(ev.link, ev.node_id)
+            s.expected_peer_id = ev.node_id
             if ev.outbound:
-                if s is None or s.state is not State.IDLE:
-                    s = self.sessions[ev.link] = self._new_session(ev.link, ev.node_id)
-                s.expected_peer_id = ev.node_id
-                s.start()
-            else:
-                self.sessions[ev.link] = self._new_session(ev.link, ev.node_id)
+                key = _addr_key(ev.address) if getattr(ev, "address", "") else None
+                if key is not None:
+                    self._retry.pop(key, None)
+                self._run(ev.link, s, s.start())
+            # An inbound reconnect replaces its old link inside the control transport without a LinkDown:
+            # retire sessions whose link is gone.
+            for link, other in list(self.sessions.items()):
+                if self.ctl.link(link) is None:
+                    self._run(None, other, other.close("control link replaced"))
+                    self._retire(other)
         elif isinstance(ev, LinkDown):
             self.counters["peer_deaths"] += 1
             s = self.sessions.get(ev.link)
             if s is not None:
-                s.close(f"peer lost: {ev.reason}")
-            if not ev.link.startswith("out-"):
-                self.sessions.pop(ev.link, None)
+                self._run(None, s, s.close(f"peer lost: {ev.reason}"))
+                self._retire(s)
 
     # ------------------------------------------------------------ events
-    def _error(self, message: str) -> None:
-        log.error("%s", message)
+    def _error(self, message: str, *, fatal: bool = False) -> None:
+        log.error("%s%s", message, " (configuration error: this worker cannot serve)" if fatal else "")
         self.counters["errors"] += 1
-        self.reporter.emit(api.WorkerError(message))
+        self.reporter.emit(api.WorkerError(message, fatal))
 
     def _flush_events(self) -> None:
         for ev in self.reporter.take():
@@ -421,21 +540,31 @@ class Worker:
         self.stopping = True
         try:
             self._fail_queued_commands(reason)
-            for s in list(self.sessions.values()):
-                s.close(reason, bye=True)
-            if self.ctx is not None:
-                for p in list(self.ctx.lot.parcels.values()):
-                    self.ctx.lot.drop(p, reason)
+            for link, sess in list(self.sessions.items()):
+                self._run(link, sess, sess.cancel_loads(reason))  # reported once their reads settled
+            unmapped = self.data is None
             if self.data is not None:
-                if not self.data.close(self.cfg.shutdown_timeout_s):
+                if self.data.close(self.cfg.shutdown_timeout_s):
+                    self._poll_data()  # the cancelled reads settled: loads reported, Releases sent
+                    for link, sess in list(self.sessions.items()):
+                        self._run(link, sess, sess.close(reason, bye=True))
+                    # Unmap BEFORE the store jobs are reported: a consumer still reading a leased row then reads
+                    # nothing of ours (its read fails), instead of a row vLLM already refilled.
+                    if self.region is not None:
+                        self.region.close()
+                        self.region = None
+                    unmapped = True
+                else:
+                    # Reads may still land in our rows: report nothing of them (the adapter fails the jobs once
+                    # this process is gone, and with it every read it initiated), keep the region mapped.
                     log.error("transfers still in flight after %.1f s; the region stays mapped until exit",
                               self.cfg.shutdown_timeout_s)
-                    self.region = None  # never unmap under a live transfer
-                done, failed = self.data.poll()
-                for tid in done:
-                    self.ctx.on_write_result(tid, True)
-                for tid, r in failed:
-                    self.ctx.on_write_result(tid, False, r)
+                    self.region = None
+            for link, sess in list(self.sessions.items()):
+                if sess.state is not State.CLOSED:
+                    self._run(link, sess, sess.close(reason, bye=True))
+            if self.ctx is not None and unmapped:
+                self.ctx.lot.shutdown(reason)
             if self.ctl is not None:
                 self.ctl.close()
             deadline = self.clock() + 2.0
@@ -493,7 +622,7 @@ class Worker:
             ],
             "jobs_in_flight": self.reporter.open_jobs,
             "transfers_in_flight": data.in_flight() if data else 0,
-            "bytes_written": data.stats.bytes_done if data else 0,
+            "bytes_read": data.stats.bytes_done if data else 0,
             "transfers": {"done": data.stats.done, "failed": data.stats.failed} if data else {},
             "parked_requests": len(self.ctx.lot.parcels) if self.ctx else 0,
             "ring_depth": {"cmd": self.cmd.depth(), "evt": self.evt.depth()},

@@ -75,6 +75,7 @@ log = logging.getLogger("vllm_adapter.tier")
 
 RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
 LIVENESS_CHECK_S = 0.05
+WORKER_STALL_S = 5.0  # no event (heartbeats every 0.5 s) for this long from a live pid: the worker is wedged
 POLL_THREAD_GONE_S = 0.1  # no off-thread poll for this long: on_schedule_end flushes commands itself
 RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park_timeout_s
 
@@ -136,6 +137,7 @@ class P2PWorkerTier(SecondaryTierManager):
         backend: str = "auto",
         rings: str | None = None,
         start_timeout_s: float = 120.0,
+        worker_stall_s: float = WORKER_STALL_S,
         **unknown: Any,
     ):
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
@@ -178,12 +180,18 @@ class P2PWorkerTier(SecondaryTierManager):
         self._scheduler_thread = threading.get_ident()  # vLLM builds tiers on the scheduler thread
         self._off_thread_poll_at = -1e9  # last get_finished_jobs from vLLM's tier-poll thread (0.33)
         self._backoff_s = RESTART_MIN_S
+        self._stall_s = float(worker_stall_s)
+        self._last_event = time.monotonic()
+        self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
+        self._fatal: str | None = None  # the worker reported a configuration error: no restarts
         self.restarts = 0
         self._stats = {"loads_ok": 0, "loads_failed": 0, "stores_ok": 0, "stores_failed": 0, "worker_deaths": 0}
         self._start_worker()
         deadline = time.monotonic() + start_timeout_s
         while not self._ready:  # start-up only: the engine is not serving yet
             self._pump()
+            if self._fatal is not None:
+                raise P2PError(f"p2pworker for {self._name} cannot start: {self._fatal}")
             if self._client is None or time.monotonic() > deadline:
                 raise P2PError(f"p2pworker for {self._name} did not become ready within {start_timeout_s} s")
             time.sleep(0.01)
@@ -210,8 +218,14 @@ class P2PWorkerTier(SecondaryTierManager):
         self._backoff_s = min(self._backoff_s * 2, RESTART_MAX_S)
 
     def _worker_died(self, why: str) -> None:
-        log.error("p2pworker %s died (%s): failing %d job(s), restarting in %.0f s",
-                  self._name, why, len(self._jobs), self._backoff_s)
+        if self._fatal is not None:
+            log.error("p2pworker %s cannot serve (%s): failing %d job(s); NOT restarting it: fix the configuration "
+                      "and restart vLLM (until then every transfer through this tier fails at once)",
+                      self._name, why, len(self._jobs))
+        else:
+            log.error("p2pworker %s died (%s): failing %d job(s), restarting in %.0f s",
+                      self._name, why, len(self._jobs), self._backoff_s)
+        self._killing_since = None
         self._stats["worker_deaths"] += 1
         now = time.monotonic()
         for job_id, (*_, t0) in list(self._jobs.items()):
@@ -230,10 +244,10 @@ class P2PWorkerTier(SecondaryTierManager):
         self._schedule_restart()
 
     def _pump(self) -> None:
-        """Collect worker events; notice a dead worker; restart one when due.  Never blocks."""
+        """Collect worker events; notice a dead or wedged worker; restart one when due.  Never blocks."""
         client = self._client
         if client is None:
-            if time.monotonic() >= self._restart_at:
+            if self._fatal is None and time.monotonic() >= self._restart_at:
                 self.restarts += 1
                 self._start_worker()
             return
@@ -242,6 +256,8 @@ class P2PWorkerTier(SecondaryTierManager):
         except P2PError as e:
             events = []
             log.error("event ring: %s", e)
+        if events:
+            self._last_event = time.monotonic()  # read before judging liveness: a slow poller is not a wedge
         for ev in events:
             if isinstance(ev, api.JobFinished):
                 entry = self._jobs.get(ev.job_id)
@@ -256,6 +272,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._to_serve.append(ev)
             elif isinstance(ev, api.Ready):
                 self._ready = True
+                self._last_event = time.monotonic()
                 self._backoff_s = RESTART_MIN_S
                 client.ready = ev
                 client.cmd.unlink()
@@ -263,6 +280,10 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._replay_finished()
             elif isinstance(ev, api.WorkerError):
                 log.error("p2pworker: %s", ev.message)
+                if ev.fatal:
+                    self._fatal = ev.message
+                    self._worker_died(f"configuration error: {ev.message}")
+                    return
             elif isinstance(ev, api.PeerDown):
                 log.info("p2pworker peer %s down: %s", ev.peer_id, ev.reason)
         # A dead worker is noticed within LIVENESS_CHECK_S (its jobs then fail at once).
@@ -270,8 +291,18 @@ class P2PWorkerTier(SecondaryTierManager):
         if now >= self._next_liveness:  # ~2 us (waitpid) + ~15 us (/proc): not on every poll
             self._next_liveness = now + LIVENESS_CHECK_S
             if not client.alive():
-                self._worker_died(f"exit code {client.proc.poll() if client.proc else '?'}")
+                if self._killing_since is not None:
+                    self._worker_died(f"wedged (no heartbeat for {self._stall_s:g} s while its pid lived); killed")
+                else:
+                    self._worker_died(f"exit code {client.proc.poll() if client.proc else '?'}")
                 return
+            if self._ready and self._killing_since is None and now - self._last_event > self._stall_s:
+                # The pid lives but the loop does not (SIGSTOP, a deadlock, a stuck syscall).  Its jobs are failed
+                # only once it is really gone: a stopped worker that resumed could still copy into our rows.
+                log.error("p2pworker %s sent nothing for %.1f s (heartbeat every %g s): killing it",
+                          self._name, now - self._last_event, api.HEARTBEAT_S)
+                self._killing_since = now
+                client.kill()
         self._flush()
         for (address, rid), keys in list(self._asking.items()):  # one batched lookup per request and peer
             lookup_id = self._next_lookup

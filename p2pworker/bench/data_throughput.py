@@ -1,12 +1,16 @@
 """Data-plane throughput, side by side in one run: raw NIXL calls, our NIXL transport, the ZMQ
 fallback and memcpy, over the same geometry (both regions in /dev/shm, two processes).
 
+The measuring process is the consumer: it READs a producer process's rows into its own
+region (pull, as the worker does); the producer only makes progress (and serves the
+fallback's reads).
+
 Contenders per (block_bytes, blocks per transfer, row pattern):
 
 - ``raw_nixl``: what a caller does with NIXL directly, prepared once: per-row
   descriptor lists on both sides (``prep_xfer_dlist``), then per transfer
-  ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` until DONE.
-- ``p2pworker_nixl``: ``NixlTransport.write_blocks`` + ``poll`` until reported
+  ``make_prepped_xfer("READ", ...)`` + ``transfer`` + ``check_xfer_state`` until DONE.
+- ``p2pworker_nixl``: ``NixlTransport.read_blocks`` + ``poll`` until reported
   (runs coalesced, bounded pieces).
 - ``p2pworker_zmq``: the fallback transport.
 - ``memcpy``: numpy row copy between two /dev/shm regions in one process.
@@ -31,14 +35,16 @@ import msgspec
 import numpy as np
 
 
-def _target(name: str, num_blocks: int, block_bytes: int, q_out, q_in) -> None:
+def _producer(name: str, num_blocks: int, block_bytes: int, q_out, q_in) -> None:
+    """The passive side: holds the rows the consumer reads; polls so both backends make progress."""
     from p2pworker.data.nixl_transport import NixlTransport
     from p2pworker.data.zmq_transport import ZmqTransport
     from p2pworker.shm import KVRegion
 
     with KVRegion.create(name, num_blocks, block_bytes) as reg:
+        reg.array()[:] = 0x5A
         nx = NixlTransport(reg, agent_name=f"bench-tgt-{os.getpid()}")
-        zq = ZmqTransport(reg, agent_name=f"bench-tgt-zmq-{os.getpid()}", max_piece_bytes=64 << 20)
+        zq = ZmqTransport(reg, agent_name=f"bench-tgt-zmq-{os.getpid()}")
         q_out.put((msgspec.msgpack.encode(nx.local_info()), msgspec.msgpack.encode(zq.local_info())))
         try:
             while True:
@@ -90,11 +96,11 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
     tag = f"p2pw_bench_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     q_out, q_in = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_target, args=(f"{tag}_t", num_blocks, block_bytes, q_out, q_in), daemon=True)
+    proc = ctx.Process(target=_producer, args=(f"{tag}_t", num_blocks, block_bytes, q_out, q_in), daemon=True)
     proc.start()
     rows_out: list[dict] = []
-    src = KVRegion.create(f"{tag}_s", num_blocks, block_bytes)
-    dst = KVRegion.create(f"{tag}_d", num_blocks, block_bytes)
+    src = KVRegion.create(f"{tag}_s", num_blocks, block_bytes)  # memcpy's source only
+    dst = KVRegion.create(f"{tag}_d", num_blocks, block_bytes)  # every contender reads into it
     try:
         src.array()[:] = 0x5A
         nx_raw, zq_raw = q_out.get(timeout=120)
@@ -102,16 +108,16 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
         zq_info = msgspec.msgpack.decode(zq_raw, type=PeerDataInfo)
 
         raw = nixl_agent(f"bench-raw-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        reg = raw.register_memory([(src.address, src.nbytes, 0, "")], "DRAM")
+        reg = raw.register_memory([(dst.address, dst.nbytes, 0, "")], "DRAM")
         remote = raw.add_remote_agent(nx_info.metadata)
         remote = remote.decode() if isinstance(remote, bytes) else remote
         rowlist = lambda base: [(base + i * block_bytes, block_bytes, 0) for i in range(num_blocks)]  # noqa: E731
-        local_dl = raw.prep_xfer_dlist("NIXL_INIT_AGENT", rowlist(src.address), "DRAM")
+        local_dl = raw.prep_xfer_dlist("NIXL_INIT_AGENT", rowlist(dst.address), "DRAM")
         remote_dl = raw.prep_xfer_dlist(remote, rowlist(nx_info.base_address), "DRAM")
 
-        ours = NixlTransport(src, agent_name=f"bench-ours-{os.getpid()}")
+        ours = NixlTransport(dst, agent_name=f"bench-ours-{os.getpid()}")
         ours.add_peer("t", nx_info)
-        fb = ZmqTransport(src, agent_name=f"bench-fb-{os.getpid()}")
+        fb = ZmqTransport(dst, agent_name=f"bench-fb-{os.getpid()}")
         fb.add_peer("t", zq_info)
         rng = np.random.default_rng(seed)
         src_arr, dst_arr = src.array(), dst.array()
@@ -124,7 +130,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                 runs = len(coalesce(lr, rr))
 
                 def raw_once(li=li, ri=ri):
-                    h = raw.make_prepped_xfer("WRITE", local_dl, li, remote_dl, ri)
+                    h = raw.make_prepped_xfer("READ", local_dl, li, remote_dl, ri)
                     state = raw.transfer(h)
                     while state == "PROC":
                         state = raw.check_xfer_state(h)
@@ -134,7 +140,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
 
                 def transport_once(tr, lr=lr, rr=rr):
                     def once():
-                        tid = tr.write_blocks("t", lr, rr)
+                        tid = tr.read_blocks("t", lr, rr)
                         while True:
                             done, failed = tr.poll()
                             if failed:
@@ -147,7 +153,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                     if pattern == "contig":
                         dst_arr[:n] = src_arr[:n]
                     else:
-                        dst_arr[rr] = src_arr[lr]
+                        dst_arr[lr] = src_arr[rr]
 
                 fns = {"raw_nixl": raw_once, "p2pworker_nixl": transport_once(ours),
                        "p2pworker_zmq": transport_once(fb), "memcpy": memcpy_once}

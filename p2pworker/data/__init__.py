@@ -1,4 +1,4 @@
-"""Data plane: move KV rows into a peer's region.  NIXL (UCX, DRAM) or a ZMQ fallback."""
+"""Data plane: the consumer reads a peer's KV rows into its own rows.  NIXL (UCX, DRAM) or a ZMQ fallback."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ def make_data_transport(
 ) -> DataTransport:
     """The data transport ``backend`` names.
 
-    ``nixl`` fails fast with ``DataPlaneUnavailable`` naming the missing piece;
-    ``auto`` tries NIXL and, if it cannot run here, logs a warning and uses the
-    ZMQ fallback; ``zmq`` uses the fallback directly.
+    ``nixl`` fails fast with ``DataPlaneUnavailable`` naming the cause and the
+    remedy (library missing, backend not created, region not registered, e.g.
+    RLIMIT_MEMLOCK too low); ``auto`` tries NIXL and, if it cannot run here,
+    logs that warning and uses the ZMQ fallback; ``zmq`` uses the fallback
+    directly.
     """
     from p2pworker.data.zmq_transport import ZmqTransport
 

@@ -1,10 +1,22 @@
 """The data transport interface the session layer drives, and what all backends share.
 
-A data transport moves whole KV rows from the local region into a peer's
-region.  It never decides *what* to move: the session layer grants and binds
-rows; the transport validates the rows against both geometries, coalesces
-them, posts them in bounded pieces and reports each transfer exactly once,
-done or failed, from :meth:`DataTransport.poll`.
+A data transport moves whole KV rows from a peer's region into the local
+region: the consumer PULLS (it READs the producer's rows into its own rows).
+Pull, not push, because then the only process that ever writes a row of an
+engine's region is that engine's own worker (invariant 7): a stalled peer
+cannot land bytes in rows that vLLM already reused after the load was
+reported, since we stop copying (ZMQ) or wait for our own reads to settle
+(NIXL) before we report.
+
+It never decides *what* to move: the session layer grants and binds rows; the
+transport validates the rows against both geometries, coalesces them, posts
+them in bounded pieces and reports each transfer exactly once, done or
+failed, from :meth:`DataTransport.poll`.
+
+Peers are keyed per control link (``peer_key``, e.g. ``"out-3"``), not per
+peer id: a symmetric pair has two links between the same two workers and a
+reconnect may overlap the old link, so several keys can name the same remote
+agent at once.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from p2pworker.shm.region import KVRegion
 
 
 class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a peer needs to write into our region; sent over the authenticated control channel."""
+    """What a peer needs to read rows out of our region; sent over the authenticated control channel."""
 
     backend: str  # "nixl" or "zmq"
     agent_name: str
@@ -30,7 +42,7 @@ class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_bytes: int
     metadata: bytes = b""  # NIXL agent metadata
     endpoint: str = ""  # fallback: the data socket address
-    token: bytes = b""  # fallback: a per-process write token; only peers told it may write
+    token: bytes = b""  # fallback: a per-process read token; only peers told it may read
 
 
 class XferState(enum.Enum):
@@ -119,41 +131,62 @@ class TransferStats:
     descriptors: int = 0  # descriptors posted (one per run per piece)
     posts: int = 0
     last_descriptors: int = 0  # descriptors of the last submitted transfer
-    per_peer_bytes: dict[str, int] = field(default_factory=dict)
+    per_peer_bytes: dict[str, int] = field(default_factory=dict)  # bytes read, per peer key
 
 
 class DataTransport(abc.ABC):
-    """Register the local region once; write rows into peers; report each transfer once."""
+    """Register the local region once; read peers' rows into it; report each transfer once."""
 
     backend: str
 
     @abc.abstractmethod
     def local_info(self) -> PeerDataInfo:
-        """What peers need to write into this region."""
+        """What peers need to read rows out of this region."""
 
     @abc.abstractmethod
-    def add_peer(self, peer_id: str, info: PeerDataInfo) -> None:
-        """Make ``peer_id`` writable.  Re-adding an id retires the old incarnation first."""
+    def add_peer(self, peer_key: str, info: PeerDataInfo) -> None:
+        """Make the region ``info`` describes readable under ``peer_key``.
+
+        ``peer_key`` is an opaque key, unique per control link (``"out-3"``,
+        ``"in-ab12"``), not the peer's id: several keys may name the same
+        remote agent, which is loaded once and shared.  Re-adding a key
+        retires its old registration first (as :meth:`remove_peer`).  Raises
+        ``TransferFailed`` when the peer cannot be used (other backend or
+        geometry, metadata refused, its agent name already loaded with other
+        metadata while reads through the old one can still land).
+        """
 
     @abc.abstractmethod
-    def remove_peer(self, peer_id: str) -> None:
-        """Fail the peer's unposted work; forget it once nothing posted to it can still land."""
+    def remove_peer(self, peer_key: str) -> None:
+        """Cancel the key's transfers (unposted pieces are dropped at once); the remote agent
+        is forgotten once no key names it and nothing posted through it can still land."""
 
     @abc.abstractmethod
-    def write_blocks(self, peer_id: str, local_rows, remote_rows) -> int:
-        """Submit a WRITE of local rows into the peer's rows; returns a transfer id.
+    def read_blocks(self, peer_key: str, local_rows, remote_rows) -> int:
+        """Submit a READ of the peer's ``remote_rows`` into our ``local_rows`` (row i into row i);
+        returns a transfer id.
 
         Raises ``TransferFailed`` when it cannot even be submitted (unknown
-        peer, rows outside a geometry, closed transport).
+        key, rows outside either geometry, closed transport).
         """
 
     @abc.abstractmethod
     def poll(self) -> tuple[list[int], list[tuple[int, str]]]:
-        """Make progress; return (done ids, [(failed id, reason)]) finished since the last call."""
+        """Make progress (also as the passive side others read from); return
+        (done ids, [(failed id, reason)]) finished since the last call.
+
+        Each transfer is reported exactly once, and only when no piece of it
+        can still land in our memory.
+        """
 
     @abc.abstractmethod
     def cancel(self, ids, wait: bool = False, timeout_s: float = 5.0) -> None:
-        """Drop unposted pieces of ``ids``; with ``wait``, also wait for posted ones to finish."""
+        """Drop unposted pieces of ``ids``; with ``wait``, also wait for posted ones to settle.
+
+        A cancelled transfer is reported failed (``"cancelled"``) once none of
+        its posted pieces can land any more; a backend that can guarantee that
+        by itself (the ZMQ fallback) abandons posted pieces at once.
+        """
 
     @abc.abstractmethod
     def in_flight(self) -> int:

@@ -1,32 +1,48 @@
-"""NIXL data transport: UCX backend, DRAM to DRAM, WRITE only.
+"""NIXL data transport: UCX backend, DRAM to DRAM; the consumer READs the producer's rows.
 
 What shapes it (../shared/NIXL_NOTES.md, re-measured here):
 
-- The region is registered ONCE; every piece builds descriptor lists of
-  *runs* (rows contiguous on both sides), so a transfer of k runs posts k
-  descriptors, not one per row (vLLM's in-tree tier posts one per row).
+- Pull: ``initialize_xfer("READ", local, remote, name)`` copies the peer's
+  rows into ours, so only this process ever writes our region (invariant 7).
+  On one host (cma) READ costs what WRITE costs; over TCP the passive side
+  must drive UCX's emulation of the one-sided READ, which is why
+  :meth:`_progress` polls ``get_new_notifs`` even when we post nothing.
+- The region is registered ONCE (and the agent metadata fetched once) at
+  construction, so a registration failure (e.g. RLIMIT_MEMLOCK too low) shows
+  there as ``DataPlaneUnavailable``, never later inside a transfer.  Every
+  piece builds descriptor lists of *runs* (rows contiguous on both sides), so
+  a transfer of k runs posts k descriptors, not one per row (vLLM's in-tree
+  tier posts one per row).
+- A remote agent is loaded once per agent name, however many peer keys name
+  it: NIXL refuses ``add_remote_agent`` for a name it already holds
+  (``nixlNotAllowedError``).  :class:`~p2pworker.data.pieces.PieceTransport`
+  keeps the reference count.
 - With UCX on one host (cma) ``transfer()`` copies synchronously: pieces of at
   most ``max_piece_bytes`` bound how long one post stalls the event loop.
 - NIXL's progress thread spins a core when idle (the Python wrapper hard-codes
-  its delay to 0), so it is disabled and :meth:`poll` drives progress,
-  including for the passive target side (``get_new_notifs``).
+  its delay to 0), so it is disabled and :meth:`poll` drives progress.
 - Errors arrive as exceptions and as the ``ERR`` state; both fail the piece's
   transfer, which is reported only once none of its pieces can still land.
+  Releasing a handle does not stop bytes already in flight, so a cancelled
+  piece is still waited for (no ``_abandon_handle``).
 """
 
 from __future__ import annotations
 
 import logging
+import resource
 from typing import Any
 
 import numpy as np
 
 from p2pworker.data.base import PeerDataInfo, XferState
-from p2pworker.data.pieces import Peer, PieceTransport, Transfer
+from p2pworker.data.pieces import PieceTransport, Remote, Transfer
 from p2pworker.errors import DataPlaneUnavailable, TransferFailed
 from p2pworker.shm.region import KVRegion
 
 log = logging.getLogger(__name__)
+
+_FALLBACK = "or set the data backend to 'auto' to fall back to ZMQ"
 
 
 def import_nixl() -> tuple[Any, Any]:
@@ -36,9 +52,19 @@ def import_nixl() -> tuple[Any, Any]:
     except Exception as e:  # ImportError, or a wheel whose shared library fails to load
         raise DataPlaneUnavailable(
             f"NIXL cannot be imported ({type(e).__name__}: {e}); install it with "
-            f"`pip install 'nixl>=1.5,<2'`, or set the data backend to 'auto' to fall back to ZMQ"
+            f"`pip install 'nixl>=1.5,<2'`, {_FALLBACK}"
         ) from e
     return nixl_agent, nixl_agent_config
+
+
+def _memlock_limit() -> str:
+    """RLIMIT_MEMLOCK in words: the usual reason a DRAM registration fails."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ValueError, OSError):
+        return "unknown"
+    words = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v} bytes"  # noqa: E731
+    return f"soft {words(soft)}, hard {words(hard)}"
 
 
 class NixlTransport(PieceTransport):
@@ -50,32 +76,61 @@ class NixlTransport(PieceTransport):
         try:
             agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
         except Exception as e:
-            raise DataPlaneUnavailable(f"NIXL agent {agent_name!r} could not start: {e}") from e
+            raise DataPlaneUnavailable(
+                f"NIXL agent {agent_name!r} could not start ({type(e).__name__}: {e}); "
+                f"check the NIXL/UCX install, {_FALLBACK}"
+            ) from e
         missing = [b for b in backends if b not in agent.backends]
         if missing:
             raise DataPlaneUnavailable(
                 f"NIXL backend(s) {missing} could not be created (plugins found: {agent.get_plugin_list()}); "
-                f"check the UCX install, or set the data backend to 'auto' to fall back to ZMQ"
+                f"check the UCX install, {_FALLBACK}"
             )
         self._agent = agent
         self.agent_name = agent_name
-        self._reg = agent.register_memory([(region.address, region.nbytes, 0, "")], "DRAM")
+        try:
+            self._reg = agent.register_memory([(region.address, region.nbytes, 0, "")], "DRAM")
+        except Exception as e:
+            raise DataPlaneUnavailable(
+                f"NIXL could not register the KV region ({region.nbytes} bytes at 0x{region.address:x}): "
+                f"{type(e).__name__}: {e} (RLIMIT_MEMLOCK: {_memlock_limit()}); raise the memlock limit "
+                f"(ulimit -l, or the container's memlock ulimit), {_FALLBACK}"
+            ) from e
+        try:
+            # Once, here: a failure must show at construction, and every peer gets the same bytes
+            # (PieceTransport compares them to tell a second link from a restarted peer).
+            self._metadata = agent.get_agent_metadata()
+        except Exception as e:
+            try:
+                self._deregister()  # nothing was posted: safe, and nothing else would ever undo it
+            except Exception as e2:
+                log.warning("deregistering after a failed start: %s", e2)
+            raise DataPlaneUnavailable(
+                f"NIXL agent {agent_name!r} could not produce its metadata: {type(e).__name__}: {e}; "
+                f"check the UCX install, {_FALLBACK}"
+            ) from e
 
     def local_info(self) -> PeerDataInfo:
-        return self._info(metadata=self._agent.get_agent_metadata())
+        return self._info(metadata=self._metadata)
 
-    def _remote_add(self, peer: Peer, info: PeerDataInfo) -> None:
+    def _remote_add(self, name: str, info: PeerDataInfo) -> Any:
         try:
-            name = self._agent.add_remote_agent(info.metadata)
+            loaded = self._agent.add_remote_agent(info.metadata)
         except Exception as e:
-            raise TransferFailed(f"NIXL refused peer {peer.peer_id}'s metadata: {type(e).__name__}: {e}") from e
-        name = name.decode() if isinstance(name, bytes) else name
-        if name != info.agent_name:
-            log.warning("peer %s advertised agent %r but its metadata names %r", peer.peer_id, info.agent_name, name)
-        peer.remote_name = name
+            raise TransferFailed(f"NIXL refused the metadata of agent {name!r}: {type(e).__name__}: {e}") from e
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != name:
+            # The reference count is keyed by the advertised name; a remote loaded under another
+            # name could never be removed at the right time.
+            try:
+                self._agent.remove_remote_agent(loaded)
+            except Exception as e:
+                log.debug("removing mislabelled remote agent %s: %s", loaded, e)
+            raise TransferFailed(f"peer advertised agent {name!r} but its NIXL metadata names {loaded!r}")
+        return None
 
-    def _remote_forget(self, peer: Peer) -> None:
-        self._agent.remove_remote_agent(peer.remote_name)
+    def _remote_forget(self, remote: Remote) -> None:
+        self._agent.remove_remote_agent(remote.name)
 
     def _post_piece(self, t: Transfer, piece: np.ndarray) -> tuple[XferState, Any]:
         bb = self._bb
@@ -86,8 +141,9 @@ class NixlTransport(PieceTransport):
         remote = local.copy()
         remote[:, 0] = t.peer.base_address + piece[:, 1] * bb
         agent = self._agent
+        # READ: the peer's rows (remote) into ours (local); nothing ever writes into a peer.
         handle = agent.initialize_xfer(
-            "WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), t.peer.remote_name
+            "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), t.peer.remote.name
         )
         try:
             return XferState.from_nixl(agent.transfer(handle)), handle
@@ -102,7 +158,8 @@ class NixlTransport(PieceTransport):
         self._agent.release_xfer_handle(handle)
 
     def _progress(self) -> None:
-        # Also the passive target's progress: a peer writing into us needs it.
+        # Also the passive side's progress: over TCP, UCX emulates a peer's READ of our rows
+        # with messages that only our own calls into the worker move along.
         try:
             self._agent.get_new_notifs()
         except Exception as e:
@@ -110,5 +167,5 @@ class NixlTransport(PieceTransport):
 
     def _deregister(self) -> None:
         if self._reg is not None:
-            self._agent.deregister_memory(self._reg)
-            self._reg = None
+            reg, self._reg = self._reg, None
+            self._agent.deregister_memory(reg)

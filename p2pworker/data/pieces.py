@@ -1,12 +1,26 @@
 """The transfer bookkeeping every backend shares: pieces, exactly-once reports, retirement.
 
-A transfer is cut into pieces (runs of rows, at most ``max_piece_bytes``);
-:meth:`PieceTransport.poll` posts pieces up to ``post_budget_bytes`` per call,
-one piece of a transfer at a time, checks posted ones, and reports a transfer
-once none of its pieces is pending or can still land.  A removed peer is
-forgotten (its remote handle dropped) only when nothing posted to it is still
-in flight, and :meth:`close` waits for every posted piece before it
-deregisters.  Backends implement the hooks at the bottom.
+A transfer (a READ of a peer's rows into ours) is cut into pieces (runs of
+rows, at most ``max_piece_bytes``); :meth:`PieceTransport.poll` posts pieces
+up to ``post_budget_bytes`` per call, one piece of a transfer at a time,
+checks posted ones, and reports a transfer once none of its pieces is pending
+or can still land in our memory.
+
+Peers and remote agents::
+
+    peer key (one per control link)        remote agent (one per agent name)
+    "out-3"   ─┐
+    "in-ab12" ─┼──────────────────────────►  Remote("w1-9f3c", refs={...})
+    "out-3"'  ─┘  (retiring: posted pieces     loaded on the first ref,
+                   still in flight)            forgotten when refs is empty
+
+A remote agent is loaded once (NIXL refuses a second ``add_remote_agent`` for
+a name it knows) and shared by every key that names it.  Removing a key
+cancels its transfers and retires its record; a retired record keeps its
+remote referenced until nothing posted through it can still land, and the
+remote is forgotten when its last reference goes.  :meth:`close` waits for
+every posted piece before it deregisters.  Backends implement the hooks at
+the bottom.
 """
 
 from __future__ import annotations
@@ -30,13 +44,24 @@ _EMPTY: tuple[tuple[int, ...], tuple[tuple[int, str], ...]] = ((), ())
 
 
 @dataclass(eq=False)
+class Remote:
+    """One remote agent, loaded once, shared by every peer record that names it."""
+
+    name: str
+    info: PeerDataInfo  # as first loaded: a later key must describe the same incarnation
+    refs: set = field(default_factory=set)  # Peer records (live or retiring) that use it
+    state: Any = None  # backend state (e.g. a socket)
+
+
+@dataclass(eq=False)
 class Peer:
-    peer_id: str
-    remote_name: str
+    """One registration under a peer key; several may share a :class:`Remote`."""
+
+    key: str
+    remote: Remote
     base_address: int
     num_blocks: int
     transfers: set[int] = field(default_factory=set)
-    extra: Any = None  # backend state (e.g. a socket)
 
 
 @dataclass(eq=False)
@@ -48,6 +73,13 @@ class Transfer:
     posted: list = field(default_factory=list)  # backend handles still in flight
     error: str | None = None
     t_submit: float = 0.0
+
+
+def _same_incarnation(a: PeerDataInfo, b: PeerDataInfo) -> bool:
+    """Two infos naming one agent describe the same process start (and so one loaded remote)."""
+    return (a.metadata, a.endpoint, a.token, a.base_address, a.num_blocks) == (
+        b.metadata, b.endpoint, b.token, b.base_address, b.num_blocks
+    )
 
 
 class PieceTransport(DataTransport):
@@ -66,6 +98,7 @@ class PieceTransport(DataTransport):
         self._clock = clock
         self._peers: dict[str, Peer] = {}
         self._retiring: list[Peer] = []
+        self._remotes: dict[str, Remote] = {}
         self._transfers: dict[int, Transfer] = {}
         self._next_id = 1
         self._done: list[int] = []
@@ -85,26 +118,37 @@ class PieceTransport(DataTransport):
         )
 
     # ------------------------------------------------------------ peers
-    def add_peer(self, peer_id: str, info: PeerDataInfo) -> None:
+    def add_peer(self, peer_key: str, info: PeerDataInfo) -> None:
         if self._closed:
             raise TransferFailed("the data transport is closed")
         if info.backend != self.backend:
-            raise TransferFailed(f"peer {peer_id} speaks data backend {info.backend!r}, we speak {self.backend!r}")
+            raise TransferFailed(f"peer {peer_key} speaks data backend {info.backend!r}, we speak {self.backend!r}")
         if info.block_bytes != self._bb:
-            raise TransferFailed(f"peer {peer_id} has block_bytes={info.block_bytes}, local block_bytes={self._bb}")
+            raise TransferFailed(f"peer {peer_key} has block_bytes={info.block_bytes}, local block_bytes={self._bb}")
         if info.num_blocks <= 0:
-            raise TransferFailed(f"peer {peer_id} advertised num_blocks={info.num_blocks}")
-        if peer_id in self._peers:
-            self.remove_peer(peer_id)  # a new incarnation: retire the old one first
-        for old in list(self._retiring):
-            if old.remote_name == info.agent_name and not old.transfers:
-                self._forget(old)
-        peer = Peer(peer_id, info.agent_name, info.base_address, info.num_blocks)
-        self._remote_add(peer, info)
-        self._peers[peer_id] = peer
+            raise TransferFailed(f"peer {peer_key} advertised num_blocks={info.num_blocks}")
+        if peer_key in self._peers:
+            self.remove_peer(peer_key)  # a new incarnation of the link: retire the old registration first
+        remote = self._remotes.get(info.agent_name)
+        if remote is None:
+            remote = Remote(info.agent_name, info)
+            remote.state = self._remote_add(remote.name, info)  # raises TransferFailed: nothing recorded then
+            self._remotes[remote.name] = remote
+        elif not _same_incarnation(remote.info, info):
+            # A restarted peer reusing its agent name while reads through the old incarnation can
+            # still land: NIXL holds one agent per name, and unloading the old one now would leave
+            # those reads' outcome unknowable (a transfer is reported only once nothing can land).
+            raise TransferFailed(
+                f"peer {peer_key}: agent {info.agent_name!r} is already loaded with other metadata "
+                f"(used by {sorted(p.key for p in remote.refs)}); remove those links and let their reads "
+                f"settle first, or give each process start a unique agent name"
+            )
+        peer = Peer(peer_key, remote, info.base_address, info.num_blocks)
+        remote.refs.add(peer)
+        self._peers[peer_key] = peer
 
-    def remove_peer(self, peer_id: str) -> None:
-        peer = self._peers.pop(peer_id, None)
+    def remove_peer(self, peer_key: str) -> None:
+        peer = self._peers.pop(peer_key, None)
         if peer is None:
             return
         self.cancel(list(peer.transfers))
@@ -112,28 +156,38 @@ class PieceTransport(DataTransport):
         self._reap_retiring()
 
     def peers(self) -> list[str]:
+        """The live peer keys."""
         return list(self._peers)
+
+    def remotes(self) -> dict[str, int]:
+        """Loaded remote agents and how many peer records (live or retiring) reference each."""
+        return {name: len(r.refs) for name, r in self._remotes.items()}
 
     def _reap_retiring(self) -> None:
         for peer in list(self._retiring):
             if not any(self._transfers[t].posted for t in peer.transfers if t in self._transfers):
-                self._forget(peer)
+                self._retiring.remove(peer)
+                self._unref(peer)
 
-    def _forget(self, peer: Peer) -> None:
+    def _unref(self, peer: Peer) -> None:
+        """Drop ``peer``'s reference; forget its remote agent when it was the last one."""
+        remote = peer.remote
+        remote.refs.discard(peer)
+        if remote.refs or self._remotes.get(remote.name) is not remote:
+            return
+        del self._remotes[remote.name]
         try:
-            self._remote_forget(peer)
+            self._remote_forget(remote)
         except Exception as e:
-            log.debug("forgetting peer %s: %s", peer.peer_id, e)
-        if peer in self._retiring:
-            self._retiring.remove(peer)
+            log.debug("forgetting remote agent %s: %s", remote.name, e)
 
     # ------------------------------------------------------------ transfers
-    def write_blocks(self, peer_id: str, local_rows, remote_rows) -> int:
+    def read_blocks(self, peer_key: str, local_rows, remote_rows) -> int:
         if self._closed:
             raise TransferFailed("the data transport is closed")
-        peer = self._peers.get(peer_id)
+        peer = self._peers.get(peer_key)
         if peer is None:
-            raise TransferFailed(f"unknown data peer {peer_id!r}")
+            raise TransferFailed(f"unknown data peer {peer_key!r}")
         lr, rr = check_rows(local_rows, remote_rows, self._region.num_blocks, peer.num_blocks)
         pieces = deque(split_runs(coalesce(lr, rr), self._bb, self.max_piece_bytes))
         tid = self._next_id
@@ -161,6 +215,13 @@ class PieceTransport(DataTransport):
         if state is XferState.ERR:
             t.error = t.error or f"{self.backend} transfer state ERR"
             t.pieces.clear()
+
+    def _abandon_quiet(self, handle: Any) -> bool:
+        try:
+            return self._abandon_handle(handle)
+        except Exception as e:  # could not make sure: keep waiting for DONE/ERR
+            log.warning("abandoning a %s transfer handle: %s", self.backend, e)
+            return False
 
     def _release_quiet(self, handle: Any) -> None:
         try:
@@ -196,7 +257,7 @@ class PieceTransport(DataTransport):
             self.stats.done += 1
             self.stats.bytes_done += t.nbytes
             per = self.stats.per_peer_bytes
-            per[t.peer.peer_id] = per.get(t.peer.peer_id, 0) + t.nbytes
+            per[t.peer.key] = per.get(t.peer.key, 0) + t.nbytes
         else:
             self._failed.append((t.tid, t.error))
             self.stats.failed += 1
@@ -233,6 +294,8 @@ class PieceTransport(DataTransport):
             if t is not None:
                 t.pieces.clear()
                 t.error = t.error or "cancelled"
+                if t.posted:
+                    t.posted = [h for h in t.posted if not self._abandon_quiet(h)]
         if wait:
             self._wait_posted(set(ids), timeout_s)
         for tid in ids:
@@ -275,22 +338,26 @@ class PieceTransport(DataTransport):
             self._settle(t)
         self._closed = True
         for peer in list(self._peers.values()) + list(self._retiring):
-            self._forget(peer)
+            self._unref(peer)
         self._peers.clear()
+        self._retiring.clear()
         self._deregister()
         return True
 
     # ------------------------------------------------------------ backend hooks
     @abc.abstractmethod
-    def _remote_add(self, peer: Peer, info: PeerDataInfo) -> None:
-        """Connect to the peer; may set ``peer.remote_name``/``peer.extra``; raise TransferFailed."""
+    def _remote_add(self, name: str, info: PeerDataInfo) -> Any:
+        """Load the remote agent ``name`` (first key naming it); return backend state for
+        ``Remote.state``; raise TransferFailed (leaving nothing loaded) when it cannot be used."""
 
     @abc.abstractmethod
-    def _remote_forget(self, peer: Peer) -> None: ...
+    def _remote_forget(self, remote: Remote) -> None:
+        """Unload ``remote``: no key names it and nothing posted through it can still land."""
 
     @abc.abstractmethod
     def _post_piece(self, t: Transfer, piece: np.ndarray) -> tuple[XferState, Any]:
-        """Post one piece; return (DONE|PROC|ERR, handle or None).  May raise."""
+        """Post a READ of one piece (runs of ``(local_start, remote_start, count)``) from
+        ``t.peer``; return (DONE|PROC|ERR, handle or None).  May raise."""
 
     @abc.abstractmethod
     def _check_handle(self, handle: Any) -> XferState: ...
@@ -298,9 +365,19 @@ class PieceTransport(DataTransport):
     @abc.abstractmethod
     def _release_handle(self, handle: Any) -> None: ...
 
+    def _abandon_handle(self, handle: Any) -> bool:
+        """Cancel a posted piece so that nothing of it lands from now on; True when that is guaranteed.
+
+        Then the piece counts as settled at once; the backend frees the handle
+        itself (no :meth:`_release_handle` follows).  The default is False: with NIXL, releasing a handle does not stop the
+        bytes already in flight, so a cancelled piece is waited for (DONE/ERR)
+        like any other.
+        """
+        return False
+
     @abc.abstractmethod
     def _progress(self) -> None:
-        """Drive the backend (and the passive target side) once; never blocks."""
+        """Drive the backend (and the passive side peers read from) once; never blocks."""
 
     @abc.abstractmethod
     def _deregister(self) -> None: ...

@@ -1,17 +1,32 @@
-"""Fallback data transport over ZMQ: slower than NIXL, but it really moves the bytes.
+"""Fallback data transport over ZMQ, pull direction: slower than NIXL, but it really moves the bytes.
 
-Used when NIXL cannot be imported or cannot create its backend and the data
-backend is ``auto``.  Each process binds one ROUTER "data socket" and keeps a
-DEALER per peer.  A piece travels as one multipart message::
+Used when NIXL cannot be imported, started or registered and the data backend
+is ``auto``.  Each process binds one ROUTER "data socket" (its producer side:
+it serves reads of its own rows) and keeps one DEALER per remote agent (its
+consumer side).  One posted piece is one round trip::
 
-    [b"W", token, header, run_0 bytes, run_1 bytes, ...]
-    header = msgpack WriteHeader(tid, seq, runs=[[remote_start, count], ...])
+    consumer: DEALER per remote agent                    producer: ROUTER (data socket)
+      [b"R", token, ReadHeader]             ───────►     check the token and every run against
+                                                         its own geometry; copy the rows out NOW
+      [b"D", DataHeader, run_0, run_1, ...] ◄───────     (an error reply carries no run frames)
 
-The receiver checks the token (a random secret it handed out only over the
-authenticated control channel), checks every run against its own geometry and
-every frame's length BEFORE writing anything, copies the frames into its
-region, and answers ``[b"A", AckHeader(tid, seq, error)]``.  A piece without
-an ack within ``ack_timeout_s`` fails.
+    ReadHeader = msgpack [tid, seq, [[remote_start, count], ...]]
+    DataHeader = msgpack [tid, seq, error]           error "" = ok, then one frame per run
+
+The token is a random secret the producer handed out only over the
+authenticated control channel (compared in constant time).  The consumer does
+the copy itself, and only into a piece that is still open::
+
+    piece (tid, seq)  OPEN ──D, in time, every frame the length of its local run──► copied, DONE
+                        │  ──D with an error────────────────────────────────────► failed (producer's reason)
+                        │  ──D with a missing frame or a wrong length───────────► failed, nothing copied
+                        │  ──no D within ack_timeout_s──────────────────────────► failed
+                        └  ──its transfer cancelled─────────────────────────────► abandoned at once
+    a D for a piece not OPEN (abandoned, timed out, answered, reported): dropped, counted in late_replies
+
+So no row is written for a transfer that was cancelled, timed out or
+reported, whenever the producer's reply arrives; that is why this backend,
+unlike NIXL, may abandon posted pieces on cancel.
 """
 
 from __future__ import annotations
@@ -19,37 +34,56 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 import zmq
 
 from p2pworker.data.base import PeerDataInfo, XferState
-from p2pworker.data.pieces import Peer, PieceTransport, Transfer
+from p2pworker.data.pieces import PieceTransport, Remote, Transfer
+from p2pworker.errors import TransferFailed
 from p2pworker.shm.region import KVRegion
 
 log = logging.getLogger(__name__)
 
-KIND_WRITE = b"W"
-KIND_ACK = b"A"
+KIND_READ = b"R"
+KIND_DATA = b"D"
+
+_REQUEST_MAX_BYTES = 4 << 20  # a ReadHeader: ~10 bytes per run, a run per row at worst
 
 
-class WriteHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class ReadHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     tid: int
     seq: int
-    runs: list[tuple[int, int]]
+    runs: list[tuple[int, int]]  # (remote_start, count): rows of the producer's region
 
 
-class AckHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class DataHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     tid: int
     seq: int
     error: str = ""
 
 
-_write_dec = msgspec.msgpack.Decoder(WriteHeader)
-_ack_dec = msgspec.msgpack.Decoder(AckHeader)
+_read_dec = msgspec.msgpack.Decoder(ReadHeader)
+_data_dec = msgspec.msgpack.Decoder(DataHeader)
 _enc = msgspec.msgpack.Encoder()
+
+
+class _Dealer(NamedTuple):
+    """``Remote.state``: the socket to one remote agent's data socket, and its token."""
+
+    sock: zmq.Socket
+    token: bytes
+
+
+@dataclass(eq=False)
+class _OpenPiece:
+    sock: zmq.Socket  # the DEALER the request went out on: only its producer may answer
+    local_runs: list[tuple[int, int]]  # (local_start, count), in request order: where the frames go
+    deadline: float
+    result: str | None = None  # None: waiting; "": copied; otherwise why it failed
 
 
 class ZmqTransport(PieceTransport):
@@ -63,65 +97,163 @@ class ZmqTransport(PieceTransport):
         host: str = "127.0.0.1",
         ack_timeout_s: float = 3.0,  # the default heartbeat deadline (1 s x 3)
         max_pieces_per_poll: int = 64,
+        max_serve_bytes: int = 64 << 20,  # the largest read we serve in one reply (bounds our memory)
         **kw: Any,
     ):
         super().__init__(region, **kw)
         self.agent_name = agent_name
         self.ack_timeout_s = ack_timeout_s
         self.max_pieces_per_poll = max_pieces_per_poll
+        self.max_serve_bytes = max_serve_bytes
         self._token = os.urandom(16)
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, self.max_piece_bytes + (1 << 20))
+        self._router.setsockopt(zmq.MAXMSGSIZE, _REQUEST_MAX_BYTES)
         self._router.setsockopt(zmq.RCVHWM, 256)
+        self._router.setsockopt(zmq.SNDHWM, 256)
+        # A reply that cannot be queued raises instead of vanishing, so it is counted; the
+        # consumer's piece then fails at its deadline.
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.bind(f"tcp://{host}:0")
         self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._acks: dict[tuple[int, int], str] = {}  # (tid, seq) -> error ("" = ok)
+        self._open: dict[tuple[int, int], _OpenPiece] = {}  # (tid, seq) -> posted piece awaiting its reply
         self._seq = 0
         self._buf = region.buffer()
-        self.received_bytes = 0
-        self.rejected_writes = 0
+        self.received_bytes = 0  # copied into our rows
+        self.served_bytes = 0  # copied out of our rows to readers
+        self.rejected_reads = 0  # requests refused (token, geometry, size, malformed)
+        self.rejected_replies = 0  # replies refused (malformed, wrong lengths, wrong socket)
+        self.late_replies = 0  # replies for pieces no longer open: dropped, nothing copied
+        self.dropped_replies = 0  # replies we could not queue to a reader
 
     def local_info(self) -> PeerDataInfo:
         return self._info(endpoint=self.endpoint, token=self._token)
 
-    # ------------------------------------------------------------ sender side
-    def _remote_add(self, peer: Peer, info: PeerDataInfo) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 1024)
-        sock.connect(info.endpoint)
-        peer.extra = (sock, info.token)
+    # ------------------------------------------------------------ consumer side
+    def _remote_add(self, name: str, info: PeerDataInfo) -> Any:
+        sock = None
+        try:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1024)
+            # Our own pieces bound what a reply may carry; a bigger frame is the producer's bug.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_piece_bytes + (1 << 20))
+            sock.connect(info.endpoint)
+        except zmq.ZMQError as e:
+            if sock is not None:
+                sock.close(linger=0)
+            raise TransferFailed(f"cannot connect to agent {name!r}'s data socket {info.endpoint!r}: {e}") from e
+        return _Dealer(sock, info.token)
 
-    def _remote_forget(self, peer: Peer) -> None:
-        if peer.extra is not None:
-            peer.extra[0].close(linger=0)
-            peer.extra = None
+    def _remote_forget(self, remote: Remote) -> None:
+        if remote.state is not None:
+            remote.state.sock.close(linger=0)
+            remote.state = None
 
     def _post_piece(self, t: Transfer, piece: np.ndarray) -> tuple[XferState, Any]:
-        sock, token = t.peer.extra
-        bb = self._bb
+        dealer: _Dealer = t.peer.remote.state
+        runs = piece.tolist()
         self._seq += 1
-        header = WriteHeader(t.tid, self._seq, [(int(r), int(n)) for _, r, n in piece.tolist()])
-        frames = [KIND_WRITE, token, _enc.encode(header)]
-        frames += [self._buf[int(l0) * bb : int(l0 + n) * bb] for l0, _, n in piece.tolist()]
-        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
-        return XferState.PROC, (t.tid, self._seq, self._clock() + self.ack_timeout_s)
+        header = ReadHeader(t.tid, self._seq, [(r, n) for _, r, n in runs])
+        dealer.sock.send_multipart([KIND_READ, dealer.token, _enc.encode(header)], flags=zmq.NOBLOCK)
+        key = (t.tid, self._seq)
+        self._open[key] = _OpenPiece(dealer.sock, [(l0, n) for l0, _, n in runs], self._clock() + self.ack_timeout_s)
+        return XferState.PROC, key
 
     def _check_handle(self, handle: Any) -> XferState:
-        tid, seq, deadline = handle
-        err = self._acks.pop((tid, seq), None)
-        if err is None:
-            if self._clock() >= deadline:
-                raise TimeoutError(f"no acknowledgement within {self.ack_timeout_s} s")
+        op = self._open.get(handle)
+        if op is None:  # not reachable: released and abandoned handles are never checked again
+            return XferState.ERR
+        if op.result is None:
+            if self._clock() >= op.deadline:
+                raise TimeoutError(f"no reply within {self.ack_timeout_s} s")
             return XferState.PROC
-        if err:
-            raise RuntimeError(f"peer refused the write: {err}")
+        if op.result:
+            raise RuntimeError(op.result)
         return XferState.DONE
 
     def _release_handle(self, handle: Any) -> None:
-        self._acks.pop((handle[0], handle[1]), None)
+        self._open.pop(handle, None)  # closed: a reply still on its way is dropped
+
+    def _abandon_handle(self, handle: Any) -> bool:
+        # We do the copy ourselves and only into an open piece: once closed, nothing lands.
+        self._open.pop(handle, None)
+        return True
+
+    def _on_reply(self, sock: zmq.Socket, frames: list) -> None:
+        try:
+            if len(frames) < 2 or frames[0].bytes != KIND_DATA:
+                raise ValueError("not a data reply")
+            header = _data_dec.decode(frames[1].buffer)
+        except (ValueError, msgspec.MsgspecError) as e:  # UnicodeDecodeError is a ValueError
+            self.rejected_replies += 1
+            log.warning("dropped a malformed data reply: %s", e)
+            return
+        op = self._open.get((header.tid, header.seq))
+        if op is None or op.result is not None or self._clock() >= op.deadline:
+            # Abandoned, timed out, answered or reported: the rows may be vLLM's again.
+            self.late_replies += 1
+            return
+        if op.sock is not sock:
+            self.rejected_replies += 1  # another producer may neither fill nor fail our piece
+            return
+        if header.error:
+            op.result = f"the producer refused the read: {header.error}"
+            return
+        data, bb = frames[2:], self._bb
+        # Check every frame BEFORE copying any: a half-copied piece would still be a failed one.
+        if len(data) != len(op.local_runs) or any(
+            len(f.buffer) != n * bb for (_, n), f in zip(op.local_runs, data)
+        ):
+            self.rejected_replies += 1
+            op.result = (
+                f"malformed reply: {len(data)} frame(s) for {len(op.local_runs)} run(s), "
+                f"or a frame whose length is not its run's rows x {bb} bytes"
+            )
+            return
+        for (start, n), f in zip(op.local_runs, data):
+            self._buf[start * bb : (start + n) * bb] = f.buffer
+            self.received_bytes += n * bb
+        op.result = ""
+
+    # ------------------------------------------------------------ producer side
+    def _serve(self, frames: list) -> None:
+        ident = frames[0].bytes
+        header = None
+        served = 0
+        try:
+            if len(frames) != 4 or frames[1].bytes != KIND_READ:
+                raise ValueError("malformed read request")
+            header = _read_dec.decode(frames[3].buffer)
+            if not hmac.compare_digest(frames[2].bytes, self._token):
+                raise PermissionError("bad read token")
+            if not header.runs:
+                raise ValueError("a read of no rows")
+            bb, nb = self._bb, self._region.num_blocks
+            rows = 0
+            for start, count in header.runs:
+                if count <= 0 or start < 0 or start + count > nb:
+                    raise ValueError(f"run [{start}, {start + count}) outside 0..{nb}")
+                rows += count
+            if rows * bb > self.max_serve_bytes:
+                raise ValueError(f"a read of {rows * bb} bytes, above max_serve_bytes={self.max_serve_bytes}")
+            reply = [ident, KIND_DATA, _enc.encode(DataHeader(header.tid, header.seq))]
+            reply += [self._buf[start * bb : (start + count) * bb] for start, count in header.runs]
+            served = rows * bb
+        except (ValueError, PermissionError, msgspec.MsgspecError) as e:
+            self.rejected_reads += 1
+            log.warning("refused a data read: %s", e)
+            if header is None:
+                return  # nothing to answer to
+            reply = [ident, KIND_DATA, _enc.encode(DataHeader(header.tid, header.seq, str(e)[:500]))]
+        try:
+            # copy=True: the bytes leave our region now, not when ZMQ gets round to sending them.
+            self._router.send_multipart(reply, flags=zmq.NOBLOCK, copy=True)
+            self.served_bytes += served
+        except zmq.ZMQError as e:
+            self.dropped_replies += 1
+            log.debug("reply to a vanished or saturated reader: %s", e)
 
     # ------------------------------------------------------------ both sides
     def _progress(self) -> None:
@@ -130,60 +262,19 @@ class ZmqTransport(PieceTransport):
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            self._receive(frames)
-        for peer in list(self._peers.values()) + self._retiring:
-            if peer.extra is None:
+            self._serve(frames)
+        for remote in list(self._remotes.values()):
+            if remote.state is None:
                 continue
-            sock = peer.extra[0]
-            while True:
+            sock = remote.state.sock
+            for _ in range(self.max_pieces_per_poll):
                 try:
-                    kind, raw = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                except ValueError:
-                    continue  # wrong frame count: not ours
-                if kind == KIND_ACK:
-                    try:
-                        ack = _ack_dec.decode(raw)
-                    except (msgspec.MsgspecError, UnicodeDecodeError):
-                        continue
-                    self._acks[(ack.tid, ack.seq)] = ack.error or ""
-
-    def _receive(self, frames: list) -> None:
-        ident = frames[0].bytes
-        header = None
-        try:
-            if len(frames) < 4 or frames[1].bytes != KIND_WRITE:
-                raise ValueError("malformed write")
-            if not hmac.compare_digest(frames[2].bytes, self._token):
-                raise PermissionError("bad write token")
-            header = _write_dec.decode(frames[3].buffer)
-            data = frames[4:]
-            if len(data) != len(header.runs):
-                raise ValueError(f"{len(header.runs)} runs but {len(data)} data frames")
-            bb, nb = self._bb, self._region.num_blocks
-            for (start, count), frame in zip(header.runs, data):
-                if count <= 0 or start < 0 or start + count > nb:
-                    raise ValueError(f"run [{start}, {start + count}) outside 0..{nb}")
-                if len(frame.buffer) != count * bb:
-                    raise ValueError(f"run of {count} rows carries {len(frame.buffer)} bytes")
-            for (start, count), frame in zip(header.runs, data):
-                self._buf[start * bb : (start + count) * bb] = frame.buffer
-                self.received_bytes += count * bb
-            error = ""
-        except (ValueError, PermissionError, msgspec.MsgspecError) as e:  # UnicodeDecodeError is a ValueError
-            self.rejected_writes += 1
-            log.warning("rejected a data write: %s", e)
-            error = str(e)
-        if header is None:
-            return  # nothing to acknowledge to
-        try:
-            self._router.send_multipart(
-                [ident, KIND_ACK, _enc.encode(AckHeader(header.tid, header.seq, error))], flags=zmq.NOBLOCK
-            )
-        except zmq.ZMQError as e:
-            log.debug("ack to a vanished writer: %s", e)
+                self._on_reply(sock, frames)
 
     def _deregister(self) -> None:
+        self._open.clear()
         self._buf.release()
         self._router.close(linger=0)

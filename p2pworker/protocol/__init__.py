@@ -2,8 +2,6 @@
 
 from p2pworker.protocol.messages import (
     PROTOCOL_VERSION,
-    AbortAck,
-    AbortFetch,
     Bye,
     Fetch,
     Hello,
@@ -11,14 +9,15 @@ from p2pworker.protocol.messages import (
     Lookup,
     LookupResp,
     Message,
+    Offer,
     Probe,
     ProbeInfo,
-    TransferDone,
+    Release,
     decode,
     encode,
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "AbortAck", "AbortFetch", "Bye", "Fetch", "Hello", "HelloAck", "Lookup",
-    "LookupResp", "Message", "Probe", "ProbeInfo", "TransferDone", "decode", "encode",
+    "PROTOCOL_VERSION", "Bye", "Fetch", "Hello", "HelloAck", "Lookup",
+    "LookupResp", "Message", "Probe", "ProbeInfo", "Offer", "Release", "decode", "encode",
 ]

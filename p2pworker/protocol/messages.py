@@ -19,7 +19,7 @@ from p2pworker.data.base import PeerDataInfo
 from p2pworker.errors import RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: consumer pull (Fetch/Offer/Release) replaced producer push
 MAX_KEYS = 8192  # keys (blocks) in one fetch, lookup or completion
 MAX_ID_CHARS = 256
 MAX_KEY_BYTES = 128
@@ -50,33 +50,47 @@ class HelloAck(msgspec.Struct, tag="hello_ack", forbid_unknown_fields=True):
 
 
 class Fetch(msgspec.Struct, tag="fetch", forbid_unknown_fields=True):
-    """Consumer -> producer: write these keys of ``request_id`` into these (granted) rows of mine."""
+    """Consumer -> producer: offer me these keys of ``request_id``; I count no read as good after ``lease_ms``.
+
+    ``lease_ms`` is the consumer's own deadline, measured from before it sent
+    this frame.  The producer pins every row it offers for this round until
+    the consumer's Release or until ``lease_ms`` (plus a margin) after it
+    *received* the frame, whichever comes first.  Receiving happens after
+    sending, so the producer's hold ends after the consumer's deadline on any
+    pair of clocks that tick at about the same rate: no clock sync needed.
+    """
+
+    request_id: Id
+    round: Count
+    keys: Keys
+    lease_ms: Annotated[int, Meta(ge=1, le=3_600_000)]
+
+
+class Offer(msgspec.Struct, tag="offer", forbid_unknown_fields=True):
+    """Producer -> consumer: these keys of the round sit in these rows of mine, pinned; read them.
+
+    Repeated as stores arrive.  ``final`` ends the round's offers: the keys
+    never offered will not come (``reason`` says why).
+    """
 
     request_id: Id
     round: Count
     keys: Keys
     rows: Annotated[list[Row], Meta(max_length=MAX_KEYS)]
-
-
-class TransferDone(msgspec.Struct, tag="transfer_done", forbid_unknown_fields=True):
-    """Producer -> consumer: this round is over; ``landed`` keys are in the granted rows."""
-
-    request_id: Id
-    round: Count
-    landed: Keys
+    final: bool = False
     reason: Reason = ""
 
 
-class AbortFetch(msgspec.Struct, tag="abort_fetch", forbid_unknown_fields=True):
+class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
+    """Consumer -> producer: none of my reads of this round can still run; ``read`` keys arrived intact.
+
+    Unpins the round's rows at once (the lease would otherwise hold them to
+    its end) and lets the producer report its store jobs.
+    """
+
     request_id: Id
     round: Count
-
-
-class AbortAck(msgspec.Struct, tag="abort_ack", forbid_unknown_fields=True):
-    """Producer -> consumer: nothing of this round is in flight any more."""
-
-    request_id: Id
-    round: Count
+    read: Keys
 
 
 class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
@@ -111,7 +125,7 @@ class Bye(msgspec.Struct, tag="bye", forbid_unknown_fields=True):
     reason: Reason = ""
 
 
-Message = Union[Hello, HelloAck, Fetch, TransferDone, AbortFetch, AbortAck, Lookup, LookupResp, Probe, ProbeInfo, Bye]
+Message = Union[Hello, HelloAck, Fetch, Offer, Release, Lookup, LookupResp, Probe, ProbeInfo, Bye]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -129,6 +143,6 @@ def decode(frame: bytes) -> Message:
         msg = _decoder.decode(frame)
     except (msgspec.MsgspecError, UnicodeDecodeError) as e:
         raise RemoteProtocolError(f"undecodable frame: {e}") from None
-    if isinstance(msg, Fetch) and len(msg.keys) != len(msg.rows):
-        raise RemoteProtocolError(f"fetch {msg.request_id!r}: {len(msg.keys)} keys but {len(msg.rows)} rows")
+    if isinstance(msg, Offer) and len(msg.keys) != len(msg.rows):
+        raise RemoteProtocolError(f"offer {msg.request_id!r}: {len(msg.keys)} keys but {len(msg.rows)} rows")
     return msg

@@ -2,9 +2,22 @@
 
 from p2pworker.session.parking import ParkingLot
 from p2pworker.session.reporter import JobDone, LookupAnswer, Reporter, ServeLookup, SessionClosed, SessionUp
-from p2pworker.session.session import ALLOWED, Session, SessionConfig, SessionContext, State
+from p2pworker.session.session import (
+    ALLOWED,
+    LOAD_MOVES,
+    Action,
+    AddDataPeer,
+    CancelReads,
+    PostRead,
+    RemoveDataPeer,
+    Send,
+    Session,
+    SessionConfig,
+    SessionContext,
+    State,
+)
 
 __all__ = [
-    "ALLOWED", "JobDone", "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
+    "ALLOWED", "LOAD_MOVES", "Action", "AddDataPeer", "CancelReads", "PostRead", "RemoveDataPeer", "Send", "JobDone", "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
     "SessionConfig", "SessionContext", "SessionUp", "State",
 ]

@@ -1,38 +1,63 @@
-"""The producer's parking lot: stored blocks wait here, per request id, until a consumer's fetch binds them.
+"""The producer's parking lot: stored blocks wait here, per request id, until a consumer's fetch leases them.
 
 Worker-wide (a store names a request, not a peer; the fetch arrives on
 whichever session the consumer opened).  Either order works: stores first
 then the fetch (PD's usual order), or the fetch first and stores later.
 
 A store job's rows belong to vLLM again the moment the job is reported, so a
-key leaves the lot (can no longer be written anywhere) as soon as its job is
-reported, success or failure.  A store job is reported:
+job is reported only when none of its rows can still be read by a consumer:
 
-- success: when every key of it landed at a consumer, or when the request is
-  finished and served and the consumer did not ask for the rest;
-- failure: when a write of one of its keys failed, when its parcel was never
-  fetched within ``park_timeout_s`` (reaped), or when the consumer serving it
-  aborted or died.
+- an offered row is *leased*: it stays parked until the consumer's Release or
+  the lease's end (``Lease.hold_until``), whichever comes first.  Nothing
+  else releases it: not the consumer's link going down, not its session
+  closing, not a protocol error (a consumer whose link died may still be
+  reading, and nothing in this process can stop a one-sided READ);
+- success: when every key of the job was read by a consumer (its Release
+  named it), or when the request is finished and served and the consumer
+  did not ask for the rest;
+- failure: when an offered key was not read (Release without it, or the
+  lease ran out), when its parcel was never fetched within
+  ``park_timeout_s`` (reaped), or when the worker shuts down (after the
+  region is deregistered and unmapped, so no read can reach it).
+
+Lease phases (a parcel has at most one lease at a time)::
+
+    (none) --Fetch--> OFFERING --final Offer sent--> HELD
+    OFFERING | HELD --Release, or now >= hold_until--> (none)
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from p2pworker.session.reporter import Reporter
 
 
+class LeasePhase(enum.Enum):
+    OFFERING = "offering"  # keys are offered as their stores arrive
+    HELD = "held"  # the final offer went out; the rows stay pinned until Release or hold_until
+
+
 @dataclass(eq=False)
-class FetchState:
+class Lease:
+    """One consumer round: what it wants, what was offered (and is pinned), and until when."""
+
     round: int
-    wanted: dict[bytes, int]  # key -> consumer row granted for it
-    deadline: float
-    landed: set[bytes] = field(default_factory=set)
-    given_up: set[bytes] = field(default_factory=set)
-    sending: set[bytes] = field(default_factory=set)
-    inflight: dict[int, list[bytes]] = field(default_factory=dict)  # transfer id -> keys
-    aborted: bool = False
+    owner: Any  # the session serving it; None once that session closed (the lease still holds)
+    pending: dict[bytes, None]  # wanted keys not offered yet (a dict: ordered, O(1) removal)
+    offer_until: float  # after this the round's offers end (final Offer)
+    hold_until: float  # the lease's end: pinned rows are released even without a Release
+    offered: dict[bytes, int] = field(default_factory=dict)  # key -> our row, pinned
+    phase: LeasePhase = LeasePhase.OFFERING
+
+
+@dataclass(eq=False)
+class StoreRecord:
+    keys: list[bytes]  # keys this job parked (a key parked twice belongs to its first job)
+    open: set[bytes]  # keys not read by a consumer yet
+    moved: list[bytes] = field(default_factory=list)  # keys read by a consumer
 
 
 @dataclass(eq=False)
@@ -41,12 +66,10 @@ class Parcel:
     created: float
     rows: dict[bytes, int] = field(default_factory=dict)  # parked key -> local row
     job_of: dict[bytes, int] = field(default_factory=dict)  # parked key -> store job
-    open_keys: dict[int, set[bytes]] = field(default_factory=dict)  # open store job -> keys not landed yet
-    moved: dict[int, list[bytes]] = field(default_factory=dict)  # store job -> keys landed
+    jobs: dict[int, StoreRecord] = field(default_factory=dict)  # open store jobs
     finished: bool = False  # the producer's request ended: no more stores will come
-    served_round: int = -1
-    owner: Any = None  # the session whose fetch is active
-    fetch: FetchState | None = None
+    served: bool = False  # a lease ended (released or expired) at least once
+    lease: Lease | None = None
 
 
 class ParkingLot:
@@ -57,6 +80,7 @@ class ParkingLot:
         self.park_timeout_s = park_timeout_s
         self.parcels: dict[str, Parcel] = {}
         self.reaped = 0
+        self.leases_expired = 0
 
     def parcel(self, request_id: str) -> Parcel:
         p = self.parcels.get(request_id)
@@ -65,94 +89,146 @@ class ParkingLot:
         return p
 
     # ------------------------------------------------------------ from the adapter
-    def store(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]) -> None:
+    def store(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]) -> Parcel | None:
+        """Park a store job.  Returns the parcel when a session should offer the new keys (its lease's owner)."""
         now = self.clock()
         self.reporter.open(job_id, "store", now)
         if len(keys) != len(rows) or not keys:
             self.reporter.done(job_id, False, (), 0, now, f"bad store: {len(keys)} keys, {len(rows)} rows")
-            return
+            return None
         p = self.parcel(request_id)
-        if p.finished and p.served_round >= 0 and p.fetch is None:
+        if p.finished and p.served and p.lease is None:
             self.reporter.done(job_id, False, (), 0, now, "request already served")
-            return
-        new = set()
+            return None
+        new: list[bytes] = []
         for key, row in zip(keys, rows):
             if key not in p.rows:  # a key parked twice: the first copy serves both
                 p.rows[key] = row
                 p.job_of[key] = job_id
-                new.add(key)
+                new.append(key)
         if not new:
             self.reporter.done(job_id, True, keys, 0, now, "")
-            return
-        p.open_keys[job_id] = new
-        p.moved[job_id] = []
-        if p.owner is not None:
-            p.owner.pump(p)
+            return None
+        p.jobs[job_id] = StoreRecord(new, set(new))
+        return p if p.lease is not None and p.lease.owner is not None else None
 
-    def request_finished(self, request_id: str) -> None:
+    def request_finished(self, request_id: str) -> Parcel | None:
+        """No more stores for the request.  Returns the parcel when its lease's owner should end the offers."""
         p = self.parcels.get(request_id)
         if p is None:
             # Nothing parked (its stores failed, or went to a worker that died before us): keep a
             # tombstone until park_timeout_s so a fetch that comes later is answered at once, empty,
             # instead of waiting out fetch_timeout_s for stores that will never come.
-            p = self.parcel(request_id)
-            p.finished = True
-            return
+            self.parcel(request_id).finished = True
+            return None
         p.finished = True
-        if p.owner is not None:
-            p.owner.pump(p)
-        else:
-            self.maybe_close(p)
+        if p.lease is not None:
+            return p if p.lease.owner is not None else None
+        self.maybe_close(p)
+        return None
 
-    # ------------------------------------------------------------ from sessions
-    def delivered(self, p: Parcel, keys: list[bytes]) -> None:
-        now = self.clock()
-        for key in keys:
-            job = p.job_of.get(key)
-            if job is None or job not in p.open_keys:
-                continue
-            p.open_keys[job].discard(key)
-            p.moved[job].append(key)
-            if not p.open_keys[job]:
-                self._close_job(p, job, True, now, "")
+    # ------------------------------------------------------------ leases
+    def bind(self, p: Parcel, lease: Lease) -> None:
+        if p.lease is not None:
+            raise ValueError(f"parcel {p.request_id!r} is leased already (round {p.lease.round})")
+        p.lease = lease
 
-    def failed(self, p: Parcel, keys: list[bytes], reason: str) -> None:
+    def release(self, p: Parcel, read: list[bytes], reason: str) -> None:
+        """End ``p``'s lease: ``read`` keys were read intact; other offered keys fail their jobs with ``reason``.
+
+        Call only when no read of the offered rows can still count: the
+        consumer said so (Release), or the lease ran out.
+        """
+        lease = p.lease
+        if lease is None:
+            return
+        p.lease = None
+        p.served = True
         now = self.clock()
+        read_set = set(read)
+        unread: list[bytes] = []
+        for key in lease.offered:
+            if key in read_set:
+                self._moved(p, key, now)
+            else:
+                unread.append(key)
+        self._fail_keys(p, unread, reason, now)
+        self.maybe_close(p)
+
+    def abandon(self, p: Parcel, reason: str) -> None:
+        """The session serving ``p``'s lease closed.  Offered rows stay pinned until the lease ends."""
+        lease = p.lease
+        if lease is None:
+            return
+        if not lease.offered:  # nothing can be read: end it now
+            p.lease = None
+            self.drop(p, reason)
+            return
+        lease.owner = None
+        lease.phase = LeasePhase.HELD
+
+    # ------------------------------------------------------------ job bookkeeping
+    def _moved(self, p: Parcel, key: bytes, now: float) -> None:
+        job = p.job_of.get(key)
+        rec = p.jobs.get(job) if job is not None else None
+        if rec is None or key not in rec.open:
+            return
+        rec.open.discard(key)
+        rec.moved.append(key)
+        if not rec.open:
+            self._close_job(p, job, True, now, "")
+
+    def _fail_keys(self, p: Parcel, keys: list[bytes], reason: str, now: float) -> None:
         for job in {p.job_of[k] for k in keys if k in p.job_of}:
-            if job in p.open_keys:
+            if job in p.jobs:
                 self._close_job(p, job, False, now, reason)
 
     def _close_job(self, p: Parcel, job: int, success: bool, now: float, reason: str) -> None:
-        moved = p.moved.pop(job, [])
-        p.open_keys.pop(job, None)
-        for key in [k for k, j in p.job_of.items() if j == job]:
+        rec = p.jobs.pop(job)
+        lease = p.lease
+        for key in rec.keys:
+            if lease is not None and key in lease.offered:  # cannot happen: leased keys close only via release()
+                raise AssertionError(f"store job {job} closed while key {key!r} is leased")
             del p.job_of[key]
-            del p.rows[key]  # the row is vLLM's again: never write it after this
-        self.reporter.done(job, success, moved, len(moved) * self.block_bytes, now, reason)
+            del p.rows[key]  # the row is vLLM's again: never offer it after this
+        self.reporter.done(job, success, rec.moved, len(rec.moved) * self.block_bytes, now, reason)
 
     def maybe_close(self, p: Parcel) -> None:
         """A finished request whose fetch was served: the keys nobody asked for are done."""
-        if p.finished and p.fetch is None and p.served_round >= 0 and p.owner is None:
-            for job in list(p.open_keys):
-                self._close_job(p, job, True, self.clock(), "not requested by the consumer")
+        if p.finished and p.lease is None and p.served:
+            now = self.clock()
+            for job in list(p.jobs):
+                self._close_job(p, job, True, now, "not requested by the consumer")
             self.parcels.pop(p.request_id, None)
 
     def drop(self, p: Parcel, reason: str) -> None:
-        """Fail every open store job of ``p`` and forget it."""
+        """Fail every open store job of ``p`` and forget it.  Only for a parcel without a lease."""
+        if p.lease is not None:
+            raise AssertionError(f"drop() of parcel {p.request_id!r} under a lease")
         now = self.clock()
-        for job in list(p.open_keys):
+        for job in list(p.jobs):
             self._close_job(p, job, False, now, reason)
-        p.owner = None
-        p.fetch = None
         self.parcels.pop(p.request_id, None)
 
     def tick(self) -> None:
+        """Lease ends and reaping.  Time is only compared here, never trusted from a peer."""
         now = self.clock()
         for p in list(self.parcels.values()):
-            if p.owner is None and p.fetch is None and now - p.created >= self.park_timeout_s:
-                self.reaped += bool(p.open_keys)  # tombstones (nothing parked) are not reaped stores
+            lease = p.lease
+            if lease is not None:
+                if now >= lease.hold_until:
+                    self.leases_expired += 1
+                    self.release(p, [], f"lease of round {lease.round} ran out without the consumer's release")
+            elif now - p.created >= self.park_timeout_s:
+                self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores
                 self.drop(p, f"not fetched within {self.park_timeout_s:g} s")
+
+    def shutdown(self, reason: str) -> None:
+        """Worker exit, after the region is deregistered and unmapped: no read can reach a row now."""
+        for p in list(self.parcels.values()):
+            p.lease = None
+            self.drop(p, reason)
 
     @property
     def open_jobs(self) -> int:
-        return sum(len(p.open_keys) for p in self.parcels.values())
+        return sum(len(p.jobs) for p in self.parcels.values())

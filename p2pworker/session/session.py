@@ -1,9 +1,12 @@
-"""One session per peer, holding both roles, as a sans-IO state machine.
+"""One session per control link, holding both roles, as a sans-IO state machine.
 
-No sockets here: frames come in through :meth:`Session.receive`, go out
-through the injected ``send`` callable, writes go to the injected data
-transport, and time comes from the injected clock.  Job results go to the
-shared :class:`~p2pworker.session.reporter.Reporter` (exactly once).
+No sockets and no data transport here.  Every entry point returns the
+*actions* it wants done, in order (:class:`Send` a message, :class:`AddDataPeer`
+/ :class:`RemoveDataPeer`, :class:`PostRead` rows of the peer into ours,
+:class:`CancelReads`); the worker performs them and feeds results back
+(:meth:`Session.on_read_result`).  Time comes from the injected clock; job
+results go to the shared :class:`~p2pworker.session.reporter.Reporter`
+(exactly once).
 
 Connection states (the table :data:`ALLOWED` is what the tests read)::
 
@@ -11,34 +14,51 @@ Connection states (the table :data:`ALLOWED` is what the tests read)::
     IDLE --Hello (valid, fingerprints match): send HelloAck--> ACTIVE
     any --Bye / bad frame / illegal message / close()--> CLOSED
 
-Anything but the handshake message before ACTIVE is a remote protocol error;
-messages the host asks to send before ACTIVE are queued and sent after the
-handshake, in order.
+The data plane is consumer pull (protocol version 2).  Consumer (client
+role), one load = one round (round numbers are worker-wide, so they never
+collide across reconnects)::
 
-Client role (consumer): ``load()`` sends Fetch(request, round, keys, granted
-rows); TransferDone reports the job (partial success allowed); past
-``load_timeout_s`` the job is reported failed and AbortFetch is sent; a
-TransferDone or AbortAck that arrives after that is counted and ignored.
+    load(): Fetch(keys, lease_ms) ---------------------> producer pins offered rows
+            <------------------- Offer(keys, rows)*      (as stores arrive)
+    PostRead(producer rows -> granted rows)
+            <------------------- Offer(final)
+    all reads settled: report the job, then Release(read keys) --> rows unpinned
 
-Server role (producer): a Fetch binds the request's parcel in the parking lot;
-parked keys are written into the granted rows (only those); the round ends
-with TransferDone when every wanted key landed or failed, or the request is
-finished, or ``fetch_timeout_s`` passed.  AbortFetch cancels what is not
-posted, waits for what is, then answers AbortAck.
+Load phases (:data:`LOAD_MOVES` is the table)::
+
+    WAITING --final offer seen and no read pending--> (reported)
+    WAITING --deadline, or session closed--> SETTLING (CancelReads) --no read pending--> (reported)
+
+Why a stalled or dead producer cannot corrupt us, and why no clock sync is
+needed: the consumer's deadline is ``t_send(Fetch) + lease`` on its clock;
+the producer holds offered rows until ``t_recv(Fetch) + lease * (1 + drift)
++ margin`` on its own clock (or the Release).  ``t_send < t_recv`` in real
+time, so the producer's hold ends after the consumer's deadline.  A read the
+consumer sees DONE before its deadline therefore copied rows that were still
+pinned; a read seen DONE at or after it counts as failed.  The only writer
+of our rows is our own worker, and a load is reported only after every read
+it posted settled (cancelled reads included), so nothing lands in a row
+after its job was reported.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Union
 
 from p2pworker.data.base import PeerDataInfo
-from p2pworker.errors import LocalProtocolError, RemoteProtocolError, TransferFailed
+from p2pworker.errors import LocalProtocolError, RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol import messages as m
-from p2pworker.session.parking import FetchState, Parcel, ParkingLot
+from p2pworker.session.parking import Lease, LeasePhase, Parcel, ParkingLot
 from p2pworker.session.reporter import Reporter, ServeLookup, SessionClosed, SessionUp
+
+# The producer's hold exceeds the consumer's lease by this factor and margin: monotonic clocks of two
+# hosts tick at rates within ~1e-4 of each other; 1e-3 and half a second leave room for scheduling.
+LEASE_DRIFT = 1e-3
+LEASE_MARGIN_S = 0.5
 
 
 class State(enum.Enum):
@@ -48,7 +68,7 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-_RUNNING = frozenset({m.Fetch, m.TransferDone, m.AbortFetch, m.AbortAck, m.Lookup, m.LookupResp, m.Bye})
+_RUNNING = frozenset({m.Fetch, m.Offer, m.Release, m.Lookup, m.LookupResp, m.Bye})
 ALLOWED: dict[State, frozenset] = {
     State.IDLE: frozenset({m.Hello, m.Probe, m.Bye}),
     State.HELLO_SENT: frozenset({m.HelloAck, m.Bye}),
@@ -57,22 +77,83 @@ ALLOWED: dict[State, frozenset] = {
 }
 
 
-class DataLike(Protocol):
-    def add_peer(self, peer_id: str, info: PeerDataInfo) -> None: ...
-    def remove_peer(self, peer_id: str) -> None: ...
-    def write_blocks(self, peer_id: str, local_rows, remote_rows) -> int: ...
-    def cancel(self, ids, wait: bool = False, timeout_s: float = 5.0) -> None: ...
+class LoadPhase(enum.Enum):
+    WAITING = "waiting"  # offers arrive, reads are posted
+    SETTLING = "settling"  # past the deadline or the session closed: reads cancelled, waiting for them
+
+
+class LoadEvent(enum.Enum):
+    DEADLINE = "deadline"
+    CLOSED = "closed"
+    CANCELLED = "cancelled"  # the worker is shutting down: the link still works, so the Release can go out
+
+
+LOAD_MOVES: dict[tuple[LoadPhase, LoadEvent], LoadPhase] = {
+    (LoadPhase.WAITING, LoadEvent.DEADLINE): LoadPhase.SETTLING,
+    (LoadPhase.WAITING, LoadEvent.CLOSED): LoadPhase.SETTLING,
+    (LoadPhase.WAITING, LoadEvent.CANCELLED): LoadPhase.SETTLING,
+    (LoadPhase.SETTLING, LoadEvent.CLOSED): LoadPhase.SETTLING,
+    (LoadPhase.SETTLING, LoadEvent.CANCELLED): LoadPhase.SETTLING,
+}
+
+
+# ---------------------------------------------------------------- actions (the outbox)
+@dataclass(frozen=True, slots=True)
+class Send:
+    msg: m.Message
+
+
+@dataclass(frozen=True, slots=True)
+class AddDataPeer:
+    """Register the peer's region with the data plane under this session's link."""
+
+    info: PeerDataInfo
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveDataPeer:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PostRead:
+    """READ the peer's ``remote_rows`` into our ``local_rows``; report with ``Session.on_read_result(read_id)``."""
+
+    read_id: int
+    local_rows: list[int]
+    remote_rows: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReads:
+    read_ids: tuple[int, ...]
+
+
+Action = Union[Send, AddDataPeer, RemoveDataPeer, PostRead, CancelReads]
 
 
 @dataclass
 class SessionConfig:
-    load_timeout_s: float = 30.0
-    fetch_timeout_s: float = 20.0  # below load_timeout_s: the producer answers partial before the consumer gives up
+    load_timeout_s: float = 30.0  # the consumer's lease: no read counts after it
+    fetch_timeout_s: float = 20.0  # the producer ends a round's offers after this (or 0.9 of the lease)
     lookup_timeout_s: float = 5.0
     park_timeout_s: float = 60.0
+    settle_timeout_s: float = 10.0  # after the deadline, how long cancelled reads may take to settle
+    max_lease_s: float = 300.0  # the longest lease a producer grants
     max_queued: int = 10_000  # messages held while the handshake is pending
     max_inbound_lookups: int = 1024
-    max_aborted_remembered: int = 10_000
+    max_done_rounds: int = 10_000  # finished rounds remembered, so late offers are ignored, not errors
+
+
+class Rounds:
+    """Worker-wide round numbers: unique across every session and reconnect of this worker."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def next(self) -> int:
+        self._next += 1
+        return self._next
 
 
 @dataclass
@@ -82,21 +163,11 @@ class SessionContext:
     node_id: str
     data_info: PeerDataInfo
     fingerprint: Fingerprint
-    data: DataLike
     reporter: Reporter
     lot: ParkingLot
     clock: Callable[[], float]
     config: SessionConfig = field(default_factory=SessionConfig)
-    write_owner: dict[int, tuple] = field(default_factory=dict)  # transfer id -> (session, parcel, fetch)
-    late_writes: int = 0
-
-    def on_write_result(self, tid: int, ok: bool, reason: str = "") -> None:
-        """Route a data-transport result to the session that submitted it."""
-        owner = self.write_owner.pop(tid, None)
-        if owner is None:
-            self.late_writes += 1
-            return
-        owner[0]._on_write_result(tid, owner[1], owner[2], ok, reason)
+    rounds: Rounds = field(default_factory=Rounds)
 
 
 @dataclass(eq=False)
@@ -104,53 +175,67 @@ class _Load:
     job_id: int
     request_id: str
     round: int
-    keys: list[bytes]
-    deadline: float
+    rows: dict[bytes, int]  # asked key -> our granted row
+    deadline: float  # the lease, on our clock: no read counts at or after it
+    offered: set[bytes] = field(default_factory=set)
+    reads: dict[int, list[bytes]] = field(default_factory=dict)  # pending read id -> keys
+    read_ok: list[bytes] = field(default_factory=list)
+    final: bool = False
+    reason: str = ""
+    phase: LoadPhase = LoadPhase.WAITING
+    settle_by: float = math.inf
 
 
 class Session:
-    def __init__(self, ctx: SessionContext, send: Callable[[bytes], None], *, expected_peer_id: str | None = None):
+    def __init__(self, ctx: SessionContext, *, expected_peer_id: str | None = None):
         self.ctx = ctx
-        self._send_frame = send
         self.expected_peer_id = expected_peer_id
         self.peer_id = expected_peer_id or ""
         self.peer_info: PeerDataInfo | None = None
         self.state = State.IDLE
         self.close_reason = ""
+        self._out: list[Action] = []
         self._queue: list[m.Message] = []
-        self._loads: dict[tuple[str, int], _Load] = {}
-        self._rounds: dict[str, int] = {}
-        self._aborted: dict[tuple[str, int], float] = {}
+        self._loads: dict[int, _Load] = {}  # round -> load
+        self._reads: dict[int, _Load] = {}  # pending read id -> its load
+        self._next_read = 0
+        self._done_rounds: dict[int, None] = {}  # rounds reported: late offers for them are ignored
         self._lookups: dict[int, tuple[float, int]] = {}  # lookup id -> (deadline, keys asked)
         self._serving: dict[int, int] = {}  # inbound lookup id -> keys asked
-        self._parcels: set[Parcel] = set()  # parcels whose active fetch this session serves
+        self._parcels: set[Parcel] = set()  # parcels whose lease this session serves
         self._data_added = False
-        self.counters = {"late_completions": 0, "stale_fetches": 0, "protocol_errors": 0, "frames_in": 0}
+        self.counters = {"late_offers": 0, "late_reads": 0, "stale_releases": 0, "unsettled_reads": 0,
+                         "protocol_errors": 0, "frames_in": 0}
         self._handlers = {
             m.Hello: self._on_hello,
             m.HelloAck: self._on_hello_ack,
             m.Fetch: self._on_fetch,
-            m.TransferDone: self._on_transfer_done,
-            m.AbortFetch: self._on_abort_fetch,
-            m.AbortAck: self._on_abort_ack,
+            m.Offer: self._on_offer,
+            m.Release: self._on_release,
             m.Lookup: self._on_lookup,
             m.LookupResp: self._on_lookup_resp,
             m.Probe: self._on_probe,
             m.Bye: self._on_bye,
         }
 
+    def _take(self) -> list[Action]:
+        out, self._out = self._out, []
+        return out
+
     # ------------------------------------------------------------ connection
-    def start(self) -> None:
+    def start(self) -> list[Action]:
         """Initiator: send Hello."""
         if self.state is not State.IDLE:
             raise LocalProtocolError(f"start() in state {self.state.value}")
         self.state = State.HELLO_SENT
         self._emit(m.Hello(m.PROTOCOL_VERSION, self.ctx.node_id, self.ctx.data_info, self.ctx.fingerprint))
+        return self._take()
 
-    def receive(self, frame: bytes) -> None:
-        """Handle one frame from the peer.  Raises only RemoteProtocolError (after closing the session)."""
+    def receive(self, frame: bytes) -> list[Action]:
+        """Handle one frame from the peer.  A bad one closes the session (RemoteProtocolError is not raised:
+        the reason is in ``close_reason`` and ``counters['protocol_errors']``)."""
         if self.state is State.CLOSED:
-            return
+            return []
         self.counters["frames_in"] += 1
         try:
             msg = m.decode(frame)
@@ -159,11 +244,11 @@ class Session:
             self._handlers[type(msg)](msg)
         except RemoteProtocolError as e:
             self.counters["protocol_errors"] += 1
-            self.close(f"protocol error: {e}", bye=True)
-            raise
+            self._close(f"protocol error: {e}", bye=True)
+        return self._take()
 
     def _emit(self, msg: m.Message) -> None:
-        self._send_frame(m.encode(msg))
+        self._out.append(Send(msg))
 
     def _send(self, msg: m.Message) -> None:
         """Send now if ACTIVE; queue (in order) while the handshake is pending; drop when closed."""
@@ -175,17 +260,16 @@ class Session:
             self._queue.append(msg)
 
     def _activate(self, peer_id: str, info: PeerDataInfo, ack: m.HelloAck | None = None) -> None:
-        """Handshake done: register the peer's data plane, (acceptor) ack, then flush the queue in order."""
+        """Handshake done: register the peer's data plane, (acceptor) ack, then flush the queue in order.
+
+        The worker performs AddDataPeer first; if the data plane refuses the
+        peer, it drops the rest of this outbox (the ack and the queue) and
+        calls :meth:`close`.
+        """
         if self.expected_peer_id and peer_id != self.expected_peer_id:
             raise RemoteProtocolError(f"hello from {peer_id!r} on a link authenticated as {self.expected_peer_id!r}")
         self.peer_id = peer_id
-        try:
-            self.ctx.data.add_peer(peer_id, info)
-        except TransferFailed as e:
-            if ack is not None:
-                self._emit(m.HelloAck(m.PROTOCOL_VERSION, self.ctx.node_id, False, reason=str(e)))
-            self.close(f"data plane refused the peer: {e}", bye=ack is None)
-            return
+        self._out.append(AddDataPeer(info))
         self._data_added = True
         self.peer_info = info
         if ack is not None:
@@ -200,7 +284,8 @@ class Session:
         ctx = self.ctx
         reason = ""
         if msg.version != m.PROTOCOL_VERSION:
-            reason = f"protocol version {msg.version}, expected {m.PROTOCOL_VERSION}"
+            reason = (f"protocol version mismatch: peer {msg.peer_id!r} speaks version {msg.version}, "
+                      f"this worker speaks version {m.PROTOCOL_VERSION}; run the same p2pworker release on both")
         else:
             diff = ctx.fingerprint.diff(msg.fingerprint)
             if diff:
@@ -209,19 +294,22 @@ class Session:
         if reason:
             self._emit(m.HelloAck(m.PROTOCOL_VERSION, ctx.node_id, False, reason=reason))
             self.peer_id = msg.peer_id
-            self.close(f"handshake rejected: {reason}")
+            self._close(f"handshake rejected: {reason}")
             return
         self._activate(msg.peer_id, msg.data, m.HelloAck(m.PROTOCOL_VERSION, ctx.node_id, True, ctx.data_info, ctx.fingerprint))
 
     def _on_hello_ack(self, msg: m.HelloAck) -> None:
         if not msg.accepted:
-            self.close(f"handshake rejected by the peer: {msg.reason}")
+            self._close(f"handshake rejected by the peer: {msg.reason}")
             return
+        if msg.version != m.PROTOCOL_VERSION:
+            raise RemoteProtocolError(f"protocol version mismatch: peer speaks version {msg.version}, "
+                                      f"this worker speaks version {m.PROTOCOL_VERSION}")
         if msg.data is None or msg.fingerprint is None:
             raise RemoteProtocolError("accepted hello_ack without data info or fingerprint")
         diff = self.ctx.fingerprint.diff(msg.fingerprint)
         if diff:
-            self.close("config fingerprint mismatch (" + ", ".join(
+            self._close("config fingerprint mismatch (" + ", ".join(
                 f"{k}: local={a!r} remote={b!r}" for k, (a, b) in diff.items()) + ")", bye=True)
             return
         self._activate(msg.peer_id, msg.data)
@@ -231,103 +319,184 @@ class Session:
         ctx = self.ctx
         self._emit(m.ProbeInfo(m.PROTOCOL_VERSION, ctx.node_id, ctx.fingerprint, ctx.data_info.backend,
                                ctx.data_info.num_blocks, ctx.data_info.block_bytes))
-        self.close("probed", quiet=True)
+        self._close("probed", quiet=True)
 
     def _on_bye(self, msg: m.Bye) -> None:
-        self.close(f"peer said bye: {msg.reason}" if msg.reason else "peer said bye")
+        self._close(f"peer said bye: {msg.reason}" if msg.reason else "peer said bye")
 
-    def close(self, reason: str, *, bye: bool = False, quiet: bool = False) -> None:
-        """Fail every job of this session once, release its parcels, forget the peer.  Idempotent."""
+    def close(self, reason: str, *, bye: bool = False, quiet: bool = False) -> list[Action]:
+        """Close once: fail what can fail now, cancel our reads (their loads are reported once they settle),
+        hand leased parcels to their lease's end.  Idempotent."""
+        self._close(reason, bye=bye, quiet=quiet)
+        return self._take()
+
+    def _close(self, reason: str, *, bye: bool = False, quiet: bool = False) -> None:
         if self.state is State.CLOSED:
             return
         if bye and self.state is not State.IDLE:
-            try:
-                self._emit(m.Bye(reason[:1000]))
-            except Exception:  # the link may be gone already
-                pass
+            self._emit(m.Bye(reason[:1000]))
         self.state = State.CLOSED
         self.close_reason = reason
         self._queue.clear()
         ctx = self.ctx
-        now = ctx.clock()
+        why = f"session to {self.peer_id} closed: {reason}"
         for load in list(self._loads.values()):
-            ctx.reporter.done(load.job_id, False, (), 0, now, f"session to {self.peer_id} closed: {reason}")
-        self._loads.clear()
+            self._settle(load, LoadEvent.CLOSED, why)
         for lookup_id in list(self._lookups):
-            ctx.reporter.lookup_done(lookup_id, None, f"session to {self.peer_id} closed: {reason}")
+            ctx.reporter.lookup_done(lookup_id, None, why)
         self._lookups.clear()
         self._serving.clear()
         for p in list(self._parcels):
-            f = p.fetch
-            if f is not None and f.inflight:
-                ctx.data.cancel(list(f.inflight))
-            ctx.lot.drop(p, f"consumer {self.peer_id} lost: {reason}")
+            if p.lease is not None and p.lease.owner is self:
+                ctx.lot.abandon(p, f"consumer {self.peer_id} lost: {reason}")
         self._parcels.clear()
         if self._data_added:
-            ctx.data.remove_peer(self.peer_id)
+            self._out.append(RemoveDataPeer())
         if not quiet:
             ctx.reporter.emit(SessionClosed(self.peer_id, reason))
 
-    # ------------------------------------------------------------ client role
-    def load(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]) -> None:
-        """Ask the peer to write ``keys`` of ``request_id`` into our granted ``rows``."""
+    def cancel_loads(self, reason: str) -> list[Action]:
+        """Shutdown, first step: cancel every load's reads; each is reported (and its Release sent on the
+        still-open link) once its reads settled."""
+        for load in list(self._loads.values()):
+            self._settle(load, LoadEvent.CANCELLED, reason)
+        return self._take()
+
+    @property
+    def settled(self) -> bool:
+        """Closed and nothing of ours can still land: the worker may forget this session."""
+        return self.state is State.CLOSED and not self._loads
+
+    # ------------------------------------------------------------ client role (consumer)
+    def load(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]) -> list[Action]:
+        """Pull ``keys`` of ``request_id`` from the peer into our granted ``rows``."""
         ctx = self.ctx
         now = ctx.clock()
         ctx.reporter.open(job_id, "load", now)
         if self.state is State.CLOSED:
             ctx.reporter.done(job_id, False, (), 0, now, f"session to {self.peer_id} closed: {self.close_reason}")
-            return
-        if not keys or len(keys) != len(rows) or len(keys) > m.MAX_KEYS:
-            ctx.reporter.done(job_id, False, (), 0, now, f"bad load: {len(keys)} keys, {len(rows)} rows")
-            return
-        rnd = self._rounds.get(request_id, -1) + 1
-        self._rounds[request_id] = rnd
-        self._loads[(request_id, rnd)] = _Load(job_id, request_id, rnd, list(keys), now + ctx.config.load_timeout_s)
-        self._send(m.Fetch(request_id, rnd, list(keys), [int(r) for r in rows]))
+            return []
+        granted = dict(zip(keys, (int(r) for r in rows)))
+        if not keys or len(keys) != len(rows) or len(keys) > m.MAX_KEYS or len(granted) != len(keys) \
+                or len(set(granted.values())) != len(keys):
+            ctx.reporter.done(job_id, False, (), 0, now, f"bad load: {len(keys)} keys, {len(rows)} rows "
+                                                          f"(at most {m.MAX_KEYS}, no duplicates)")
+            return []
+        lease_s = ctx.config.load_timeout_s
+        rnd = ctx.rounds.next()
+        # The deadline is taken BEFORE the Fetch is sent (or queued): the producer's hold starts later.
+        self._loads[rnd] = _Load(job_id, request_id, rnd, granted, now + lease_s)
+        self._send(m.Fetch(request_id, rnd, list(keys), math.ceil(lease_s * 1000)))
+        return self._take()
 
-    def lookup(self, lookup_id: int, keys: list[bytes], request_id: str) -> None:
+    def lookup(self, lookup_id: int, keys: list[bytes], request_id: str) -> list[Action]:
         ctx = self.ctx
         ctx.reporter.open_lookup(lookup_id)
         if self.state is State.CLOSED:
             ctx.reporter.lookup_done(lookup_id, None, f"session closed: {self.close_reason}")
-            return
+            return []
         self._lookups[lookup_id] = (ctx.clock() + ctx.config.lookup_timeout_s, len(keys))
         self._send(m.Lookup(lookup_id, request_id, list(keys)))
+        return self._take()
 
-    def _on_transfer_done(self, msg: m.TransferDone) -> None:
-        key = (msg.request_id, msg.round)
-        load = self._loads.pop(key, None)
-        if load is None:
-            if self._aborted.pop(key, None) is not None:
-                self.counters["late_completions"] += 1
-                self.ctx.reporter.late += 1
+    def _on_offer(self, msg: m.Offer) -> None:
+        load = self._loads.get(msg.round)
+        if load is None or load.request_id != msg.request_id:
+            if msg.round in self._done_rounds:
+                self.counters["late_offers"] += 1  # crossed our Release, or came after our deadline
                 return
-            raise RemoteProtocolError(f"transfer_done for {msg.request_id!r} round {msg.round} that was never fetched")
-        asked = set(load.keys)
-        landed = list(dict.fromkeys(msg.landed))
-        if not asked.issuperset(landed):
-            self._loads[key] = load  # close() fails it
-            raise RemoteProtocolError(f"transfer_done for {msg.request_id!r} names keys that were not requested")
-        ok = len(landed) == len(asked)
-        self.ctx.reporter.done(
-            load.job_id, ok, landed, len(landed) * self.ctx.data_info.block_bytes, self.ctx.clock(),
-            "" if ok else (msg.reason or f"{len(asked) - len(landed)} of {len(asked)} keys did not land"),
-        )
+            raise RemoteProtocolError(f"offer for {msg.request_id!r} round {msg.round} that was never fetched")
+        nb = self.peer_info.num_blocks
+        local: list[int] = []
+        remote: list[int] = []
+        for key, row in zip(msg.keys, msg.rows):
+            if key not in load.rows:
+                raise RemoteProtocolError(f"offer for {msg.request_id!r} names a key that was not requested")
+            if key in load.offered:
+                raise RemoteProtocolError(f"offer for {msg.request_id!r} names a key twice")
+            if row >= nb:
+                raise RemoteProtocolError(f"offer for {msg.request_id!r}: row {row} outside the peer's 0..{nb - 1}")
+            load.offered.add(key)
+            local.append(load.rows[key])
+            remote.append(row)
+        if msg.final:
+            load.final = True
+            load.reason = msg.reason
+        if load.phase is not LoadPhase.WAITING:
+            return  # settling: post nothing new
+        if msg.keys:
+            self._next_read += 1
+            rid = self._next_read
+            load.reads[rid] = list(msg.keys)
+            self._reads[rid] = load
+            self._out.append(PostRead(rid, local, remote))
+        self._maybe_report(load)
 
-    def _on_abort_ack(self, msg: m.AbortAck) -> None:
-        self._aborted.pop((msg.request_id, msg.round), None)
+    def on_read_result(self, read_id: int, ok: bool, reason: str = "") -> list[Action]:
+        """The data plane settled read ``read_id``: nothing of it can land any more."""
+        load = self._reads.pop(read_id, None)
+        if load is None:
+            self.counters["late_reads"] += 1
+            return []
+        keys = load.reads.pop(read_id)
+        now = self.ctx.clock()
+        if ok and now < load.deadline and load.phase is LoadPhase.WAITING:
+            load.read_ok.extend(keys)
+        elif ok:
+            # Seen done at or after our deadline: the producer may have released the rows before the copy
+            # ran (a SIGSTOP between post and copy, say).  Never count it.
+            self.counters["late_reads"] += 1
+            load.reason = load.reason or "a read completed after the load's deadline and was discarded"
+        else:
+            load.reason = load.reason or f"read from {self.peer_id} failed: {reason}"
+        self._maybe_report(load)
+        return self._take()
+
+    def _maybe_report(self, load: _Load) -> None:
+        if load.reads:
+            return
+        if load.phase is LoadPhase.WAITING and not load.final:
+            return
+        self._report(load)
+
+    def _report(self, load: _Load) -> None:
+        """Report the job once, then release the producer's rows (the job is over: no read of it can run)."""
+        ctx = self.ctx
+        for rid in load.reads:  # only on a settle time-out: those reads are given up on
+            self._reads.pop(rid, None)
+        del self._loads[load.round]
+        self._done_rounds[load.round] = None
+        if len(self._done_rounds) > ctx.config.max_done_rounds:
+            del self._done_rounds[next(iter(self._done_rounds))]
+        n = len(load.rows)
+        ok = len(load.read_ok) == n and load.phase is LoadPhase.WAITING
+        reason = "" if ok else load.reason or f"{n - len(load.read_ok)} of {n} keys did not arrive"
+        ctx.reporter.done(load.job_id, ok, load.read_ok, len(load.read_ok) * ctx.data_info.block_bytes,
+                          ctx.clock(), reason)
+        self._send(m.Release(load.request_id, load.round, load.read_ok))
+
+    def _settle(self, load: _Load, event: LoadEvent, reason: str) -> None:
+        """Deadline or close: cancel the load's reads; report when none is pending."""
+        load.phase = LOAD_MOVES[(load.phase, event)]
+        if load.settle_by == math.inf:
+            load.settle_by = self.ctx.clock() + self.ctx.config.settle_timeout_s
+            load.reason = reason
+        if load.reads:
+            self._out.append(CancelReads(tuple(load.reads)))
+        else:
+            self._report(load)
 
     def _on_lookup_resp(self, msg: m.LookupResp) -> None:
         pending = self._lookups.pop(msg.lookup_id, None)
         if pending is None:
-            self.counters["late_completions"] += 1
+            self.counters["late_offers"] += 1
             return
         if len(msg.present) != pending[1]:
             self._lookups[msg.lookup_id] = pending
             raise RemoteProtocolError(f"lookup_resp {msg.lookup_id}: {len(msg.present)} answers for {pending[1]} keys")
         self.ctx.reporter.lookup_done(msg.lookup_id, msg.present)
 
-    # ------------------------------------------------------------ server role
+    # ------------------------------------------------------------ server role (producer)
     def _on_lookup(self, msg: m.Lookup) -> None:
         if len(self._serving) >= self.ctx.config.max_inbound_lookups:
             self._emit(m.LookupResp(msg.lookup_id, [False] * len(msg.keys)))
@@ -335,133 +504,112 @@ class Session:
         self._serving[msg.lookup_id] = len(msg.keys)
         self.ctx.reporter.emit(ServeLookup(self.peer_id, msg.lookup_id, msg.request_id, tuple(msg.keys)))
 
-    def answer_lookup(self, lookup_id: int, present: list[bool]) -> bool:
-        """Answer a peer's lookup; False when this session is not serving ``lookup_id``."""
+    def answer_lookup(self, lookup_id: int, present: list[bool]) -> tuple[bool, list[Action]]:
+        """Answer a peer's lookup; (False, []) when this session is not serving ``lookup_id``."""
         n = self._serving.pop(lookup_id, None)
         if n is None or self.state is not State.ACTIVE:
-            return False
+            return False, []
         if len(present) != n:
             raise LocalProtocolError(f"lookup {lookup_id}: {len(present)} answers for {n} keys")
         self._emit(m.LookupResp(lookup_id, list(present)))
-        return True
+        return True, self._take()
 
     def _on_fetch(self, msg: m.Fetch) -> None:
-        nb = self.peer_info.num_blocks
-        bad = [r for r in msg.rows if r >= nb]
-        if bad:
-            raise RemoteProtocolError(f"fetch {msg.request_id!r}: rows {bad[:3]} outside the peer's 0..{nb - 1}")
-        if len(set(msg.rows)) != len(msg.rows) or len(set(msg.keys)) != len(msg.keys):
-            raise RemoteProtocolError(f"fetch {msg.request_id!r}: duplicate keys or rows")
-        lot = self.ctx.lot
-        p = lot.parcel(msg.request_id)
-        if p.owner is not None and p.owner is not self:
-            self._emit(m.TransferDone(msg.request_id, msg.round, [], "request is being served to another peer"))
-            return
-        if msg.round <= p.served_round or (p.fetch is not None and msg.round <= p.fetch.round):
-            self.counters["stale_fetches"] += 1
-            return
-        if p.fetch is not None:  # one round at a time: the consumer may retry once the current one ends
-            self._emit(m.TransferDone(msg.request_id, msg.round, [], "previous round still in progress"))
-            return
-        p.owner = self
-        p.fetch = FetchState(msg.round, dict(zip(msg.keys, msg.rows)), self.ctx.clock() + self.ctx.config.fetch_timeout_s)
-        self._parcels.add(p)
-        self.pump(p)
-
-    def pump(self, p: Parcel) -> None:
-        """Write what can be written for the parcel's fetch; end the round when it is over."""
-        f = p.fetch
-        if f is None or self.state is State.CLOSED:
-            return
-        ctx = self.ctx
-        if not f.aborted:
-            todo = [k for k in f.wanted if k in p.rows and k not in f.landed and k not in f.given_up and k not in f.sending]
-            if todo:
-                try:
-                    tid = ctx.data.write_blocks(self.peer_id, [p.rows[k] for k in todo], [f.wanted[k] for k in todo])
-                except TransferFailed as e:
-                    f.given_up.update(todo)
-                    ctx.lot.failed(p, todo, f"write to {self.peer_id} refused: {e}")
-                else:
-                    f.inflight[tid] = todo
-                    f.sending.update(todo)
-                    ctx.write_owner[tid] = (self, p, f)
-        if f.inflight:
-            return
-        if f.aborted:
-            self._emit(m.AbortAck(p.request_id, f.round))
-            self._release(p)
-            ctx.lot.drop(p, f"consumer {self.peer_id} aborted the fetch")
-            return
-        all_settled = all(k in f.landed or k in f.given_up for k in f.wanted)
-        if all_settled or p.finished or ctx.clock() >= f.deadline:
-            landed = [k for k in f.wanted if k in f.landed]
-            reason = "" if len(landed) == len(f.wanted) else (
-                "request finished before every key was stored" if p.finished and not all_settled
-                else "fetch timed out on the producer" if not all_settled else "some writes failed")
-            self._emit(m.TransferDone(p.request_id, f.round, landed, reason))
-            p.served_round = f.round
-            self._release(p)
-            ctx.lot.maybe_close(p)
-
-    def _release(self, p: Parcel) -> None:
-        p.fetch = None
-        p.owner = None
-        self._parcels.discard(p)
-
-    def _on_write_result(self, tid: int, p: Parcel, f: FetchState, ok: bool, reason: str) -> None:
-        keys = f.inflight.pop(tid, None)
-        if keys is None or p.fetch is not f or self.state is State.CLOSED:
-            self.ctx.late_writes += 1
-            return
-        f.sending.difference_update(keys)
-        if ok:
-            f.landed.update(keys)
-            self.ctx.lot.delivered(p, keys)
-        else:
-            f.given_up.update(keys)
-            self.ctx.lot.failed(p, keys, f"write to {self.peer_id} failed: {reason}")
-        self.pump(p)
-
-    def _on_abort_fetch(self, msg: m.AbortFetch) -> None:
-        p = self.ctx.lot.parcels.get(msg.request_id)
-        if p is None or p.owner is not self or p.fetch is None or p.fetch.round != msg.round:
-            self._emit(m.AbortAck(msg.request_id, msg.round))  # nothing of it in flight: ack at once
-            return
-        f = p.fetch
-        f.aborted = True
-        if f.inflight:
-            self.ctx.data.cancel(list(f.inflight))
-        self.pump(p)
-
-    # ------------------------------------------------------------ time
-    def tick(self) -> None:
-        """Time-outs: loads and lookups past their deadline, fetch rounds past theirs."""
-        if self.state is State.CLOSED:
-            return
         ctx = self.ctx
         now = ctx.clock()
-        for key, load in list(self._loads.items()):
-            if now >= load.deadline:
-                del self._loads[key]
-                self._remember_aborted(key, now)
-                self._send(m.AbortFetch(load.request_id, load.round))
-                ctx.reporter.done(load.job_id, False, (), 0, now,
-                                  f"timed out after {ctx.config.load_timeout_s:g} s waiting for {self.peer_id}")
+        if len(set(msg.keys)) != len(msg.keys):
+            raise RemoteProtocolError(f"fetch {msg.request_id!r}: duplicate keys")
+        lease_s = msg.lease_ms / 1000
+        if lease_s > ctx.config.max_lease_s:
+            self._emit(m.Offer(msg.request_id, msg.round, [], [], True,
+                               f"lease of {lease_s:g} s exceeds this producer's max_lease_s={ctx.config.max_lease_s:g}"))
+            return
+        lot = ctx.lot
+        p = lot.parcel(msg.request_id)
+        if p.lease is not None:
+            self._emit(m.Offer(msg.request_id, msg.round, [], [], True,
+                               f"request is leased to another fetch (round {p.lease.round}) until it is released"))
+            return
+        # offer_until: later offers would arrive too close to the consumer's deadline to be read in time.
+        lease = Lease(msg.round, self, dict.fromkeys(msg.keys), now + min(ctx.config.fetch_timeout_s, 0.9 * lease_s),
+                      now + lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S)
+        lot.bind(p, lease)
+        self._parcels.add(p)
+        self._offer(p)
+
+    def pump(self, p: Parcel) -> list[Action]:
+        """New stores, or the request finished: offer what can be offered."""
+        self._offer(p)
+        return self._take()
+
+    def _offer(self, p: Parcel) -> None:
+        lease = p.lease
+        if lease is None or lease.owner is not self or lease.phase is not LeasePhase.OFFERING:
+            return
+        keys = [k for k in lease.pending if k in p.rows]
+        for k in keys:
+            del lease.pending[k]
+            lease.offered[k] = p.rows[k]
+        now = self.ctx.clock()
+        final = not lease.pending or p.finished or now >= lease.offer_until
+        if not keys and not final:
+            return
+        reason = ""
+        if final and lease.pending:
+            reason = ("request finished before every key was stored" if p.finished
+                      else "fetch timed out on the producer")
+            lease.pending.clear()
+        if final:
+            lease.phase = LeasePhase.HELD
+        self._emit(m.Offer(p.request_id, lease.round, keys, [p.rows[k] for k in keys], final, reason))
+
+    def _on_release(self, msg: m.Release) -> None:
+        p = self.ctx.lot.parcels.get(msg.request_id)
+        lease = p.lease if p is not None else None
+        if lease is None or lease.owner is not self or lease.round != msg.round:
+            self.counters["stale_releases"] += 1  # the lease ran out first
+            return
+        if any(k not in lease.offered for k in msg.read):
+            raise RemoteProtocolError(f"release for {msg.request_id!r} names keys that were not offered")
+        self._parcels.discard(p)
+        self.ctx.lot.release(p, msg.read, f"consumer {self.peer_id} did not read it")
+
+    # ------------------------------------------------------------ time
+    def tick(self) -> list[Action]:
+        """Time-outs: loads past their deadline (then past settling), lookups, rounds whose offers must end."""
+        ctx = self.ctx
+        now = ctx.clock()
+        for load in list(self._loads.values()):
+            if load.phase is LoadPhase.WAITING and now >= load.deadline:
+                self._settle(load, LoadEvent.DEADLINE,
+                             f"timed out after {ctx.config.load_timeout_s:g} s waiting for {self.peer_id}")
+            elif load.phase is LoadPhase.SETTLING and now >= load.settle_by:
+                # Reads still not settled after settle_timeout_s: report (invariant 1) and say so loudly.
+                self.counters["unsettled_reads"] += len(load.reads)
+                load.reason = (f"{len(load.reads)} read(s) from {self.peer_id} did not settle within "
+                               f"{ctx.config.settle_timeout_s:g} s of cancellation ({load.reason})")
+                self._report(load)
+        if self.state is State.CLOSED:
+            return self._take()
         for lookup_id, (deadline, _) in list(self._lookups.items()):
             if now >= deadline:
                 del self._lookups[lookup_id]
                 ctx.reporter.lookup_done(lookup_id, None, f"lookup timed out after {ctx.config.lookup_timeout_s:g} s")
         for p in list(self._parcels):
-            if p.fetch is not None and now >= p.fetch.deadline:
-                self.pump(p)
-
-    def _remember_aborted(self, key: tuple[str, int], now: float) -> None:
-        self._aborted[key] = now
-        if len(self._aborted) > self.ctx.config.max_aborted_remembered:
-            del self._aborted[next(iter(self._aborted))]
+            if p.lease is None or p.lease.owner is not self:
+                self._parcels.discard(p)  # released by the lot (lease ran out)
+            elif p.lease.phase is LeasePhase.OFFERING and now >= p.lease.offer_until:
+                self._offer(p)
+        return self._take()
 
     @property
     def open_loads(self) -> int:
         return len(self._loads)
 
+    @property
+    def pending_reads(self) -> int:
+        return len(self._reads)
+
+    @property
+    def leases(self) -> int:
+        return len(self._parcels)

@@ -10,8 +10,15 @@ import msgspec
 import numpy as np
 
 
-def data_peer(backend: str, name: str, num_blocks: int, block_bytes: int, q_out, q_in) -> None:
-    """A passive data-plane target: publishes its PeerDataInfo, makes progress, answers commands.
+def region_bytes(seed: int, num_blocks: int, block_bytes: int) -> np.ndarray:
+    """Seeded content for a ``num_blocks x block_bytes`` region: no two rows alike, cheap to make."""
+    tile = np.frombuffer(np.random.default_rng(seed).bytes(1_000_003), dtype=np.uint8)  # prime: rows differ
+    return np.resize(tile, num_blocks * block_bytes).reshape(num_blocks, block_bytes)
+
+
+def data_peer(backend: str, name: str, num_blocks: int, block_bytes: int, q_out, q_in, seed: int = 0) -> None:
+    """A passive producer: fills its region with ``region_bytes(seed, ...)``, publishes its
+    PeerDataInfo, makes progress (serves reads), answers commands.
 
     Commands on ``q_in``: ("dump",) -> region bytes on ``q_out``; ("exit",).
     """
@@ -19,6 +26,9 @@ def data_peer(backend: str, name: str, num_blocks: int, block_bytes: int, q_out,
     from p2pworker.shm import KVRegion
 
     with KVRegion.create(name, num_blocks, block_bytes) as reg:
+        arr = reg.array()
+        arr[:] = region_bytes(seed, num_blocks, block_bytes)
+        del arr
         tr = make_data_transport(reg, backend=backend, agent_name=f"peer-{os.getpid()}-{time.monotonic_ns()}")
         q_out.put(msgspec.msgpack.encode(tr.local_info()))
         try:

@@ -1,19 +1,43 @@
-"""An in-memory pair of sessions: fake clock, fake data transport that records writes, frames in lists."""
+"""An in-memory pair of sessions: per-side clocks, a fake data plane that records reads, frames in lists.
+
+The harness performs the sessions' actions the way the worker does (sans-IO:
+the sessions return what they want; nothing calls back into them), and keeps
+a byte-level model of both regions so tests can check *what landed where*:
+
+- ``Side.region[row]`` is the content of a row: the key whose KV it holds, or
+  a canary / ``REUSED`` marker once the row went back to vLLM;
+- a read is copied (``FakeData.copy``) and reported (``FakeData.settle``) as
+  separate steps, so a test can delay, reorder or fail either.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from p2pworker.data.base import PeerDataInfo
 from p2pworker.errors import TransferFailed
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol import messages as m
-from p2pworker.session import ParkingLot, Reporter, Session, SessionConfig, SessionContext
+from p2pworker.session import (
+    AddDataPeer,
+    CancelReads,
+    ParkingLot,
+    PostRead,
+    RemoveDataPeer,
+    Reporter,
+    Send,
+    Session,
+    SessionConfig,
+    SessionContext,
+)
 
 BLOCK = 4096
+REUSED = b"<reused by vLLM>"
 
 
 class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
 
     def __call__(self) -> float:
         return self.t
@@ -22,94 +46,196 @@ class Clock:
         self.t += s
 
 
+@dataclass(eq=False)
+class Read:
+    tid: int
+    session: Session
+    read_id: int
+    local_rows: list[int]
+    remote_rows: list[int]
+    cancelled: bool = False
+    copied: int = 0  # rows copied so far (a read may land partially before it fails)
+
+
+@dataclass
 class FakeData:
-    """Records every write; results are delivered by the test (``complete``)."""
+    """Reads are recorded, then copied and settled when the test says so."""
 
-    def __init__(self) -> None:
-        self.peers: dict[str, PeerDataInfo] = {}
-        self.writes: list[tuple[str, int, list[int], list[int]]] = []
-        self.pending: dict[int, str] = {}
-        self.cancelled: set[int] = set()
-        self.fail_submit = False
-        self.removed: list[str] = []
-        self._next = 1
+    peers: dict[str, PeerDataInfo] = field(default_factory=dict)
+    reads: dict[int, Read] = field(default_factory=dict)  # not settled yet
+    log: list[Read] = field(default_factory=list)
+    fail_submit: bool = False
+    removed: list[str] = field(default_factory=list)
+    _next: int = 1
 
-    def add_peer(self, peer_id, info):
+    def add_peer(self, key, info):
         if info.block_bytes != BLOCK:
             raise TransferFailed(f"block_bytes={info.block_bytes}, local block_bytes={BLOCK}")
-        self.peers[peer_id] = info
+        self.peers[key] = info
 
-    def remove_peer(self, peer_id):
-        self.peers.pop(peer_id, None)
-        self.removed.append(peer_id)
+    def remove_peer(self, key):
+        self.peers.pop(key, None)
+        self.removed.append(key)
+        for r in self.reads.values():
+            if r.session.link == key:
+                r.cancelled = True
 
-    def write_blocks(self, peer_id, local_rows, remote_rows):
+    def read_blocks(self, key, session, read_id, local_rows, remote_rows) -> int:
         if self.fail_submit:
             raise TransferFailed("injected submit failure")
-        if peer_id not in self.peers:
-            raise TransferFailed(f"unknown data peer {peer_id!r}")
+        if key not in self.peers:
+            raise TransferFailed(f"unknown data peer {key!r}")
         tid = self._next
         self._next += 1
-        self.writes.append((peer_id, tid, list(local_rows), list(remote_rows)))
-        self.pending[tid] = peer_id
+        r = self.reads[tid] = Read(tid, session, read_id, list(local_rows), list(remote_rows))
+        self.log.append(r)
         return tid
-
-    def cancel(self, ids, wait=False, timeout_s=5.0):
-        self.cancelled.update(ids)
-
-
-def info(node: str, num_blocks: int = 64, block_bytes: int = BLOCK) -> PeerDataInfo:
-    return PeerDataInfo("fake", node, 0, num_blocks, block_bytes)
 
 
 class Side:
     def __init__(self, node: str, clock: Clock, *, fingerprint: Fingerprint | None = None, num_blocks: int = 64,
                  block_bytes: int = BLOCK, config: SessionConfig | None = None):
         self.node = node
+        self.clock = clock
         self.data = FakeData()
         self.reporter = Reporter()
         self.lot = ParkingLot(self.reporter, clock, block_bytes=block_bytes, park_timeout_s=60.0)
         self.ctx = SessionContext(
-            node_id=node, data_info=info(node, num_blocks, block_bytes),
+            node_id=node, data_info=PeerDataInfo("fake", node, 0, num_blocks, block_bytes),
             fingerprint=fingerprint or Fingerprint.build(block_bytes=BLOCK, protocol_version=m.PROTOCOL_VERSION),
-            data=self.data, reporter=self.reporter, lot=self.lot, clock=clock, config=config or SessionConfig(),
+            reporter=self.reporter, lot=self.lot, clock=clock, config=config or SessionConfig(),
         )
+        self.region: list[bytes] = [b"<empty>"] * num_blocks
         self.outbox: list[bytes] = []
         self.session: Session | None = None
+        self.peer: Side | None = None
+        self.landings: list[tuple[int, int, bytes]] = []  # (tid, our row, content) every byte that landed here
+        self.land_hook = None  # called as each row lands, before anything else can happen (property tests)
+        self._tids: dict[tuple[int, int], int] = {}
 
-    def new_session(self, expected_peer_id=None) -> Session:
+    def new_session(self, expected_peer_id=None, link: str = "link") -> Session:
         self.outbox = []
-        self.session = Session(self.ctx, self.outbox.append, expected_peer_id=expected_peer_id)
+        self.session = Session(self.ctx, expected_peer_id=expected_peer_id)
+        self.session.link = link
         return self.session
 
-    def complete(self, tid: int, ok: bool = True, reason: str = "") -> None:
-        self.data.pending.pop(tid, None)
-        self.ctx.on_write_result(tid, ok, reason)
+    # -------------------------------------------------------- the worker's part
+    def run(self, s: Session, actions) -> None:
+        todo = list(actions)
+        while todo:
+            a = todo.pop(0)
+            if isinstance(a, Send):
+                if s is self.session:  # an older session's link is gone: what it sends is lost
+                    self.outbox.append(m.encode(a.msg))
+            elif isinstance(a, AddDataPeer):
+                try:
+                    self.data.add_peer(s.link, a.info)
+                except TransferFailed as e:
+                    todo = list(s.close(f"data plane refused the peer: {e}", bye=True))
+            elif isinstance(a, RemoveDataPeer):
+                self.data.remove_peer(s.link)
+            elif isinstance(a, PostRead):
+                try:
+                    tid = self.data.read_blocks(s.link, s, a.read_id, a.local_rows, a.remote_rows)
+                except TransferFailed as e:
+                    todo += s.on_read_result(a.read_id, False, f"read refused: {e}")
+                else:
+                    self._tids[(id(s), a.read_id)] = tid
+            elif isinstance(a, CancelReads):
+                for rid in a.read_ids:
+                    tid = self._tids.get((id(s), rid))
+                    if tid is not None and tid in self.data.reads:
+                        self.data.reads[tid].cancelled = True
 
-    def complete_all(self, ok: bool = True) -> None:
-        for tid in list(self.data.pending):
-            self.complete(tid, ok, "" if ok else "injected failure")
+    def receive(self, frame: bytes) -> None:
+        self.run(self.session, self.session.receive(frame))
+
+    def load(self, job: int, request: str, keys, rows) -> None:
+        self.run(self.session, self.session.load(job, request, keys, rows))
+
+    def lookup(self, lookup_id: int, keys, request: str) -> None:
+        self.run(self.session, self.session.lookup(lookup_id, keys, request))
+
+    def store(self, job: int, request: str, keys, rows, *, content: bool = True) -> None:
+        if content:
+            for k, r in zip(keys, rows):
+                self.region[r] = k
+        p = self.lot.store(job, request, keys, rows)
+        if p is not None:
+            self.run(p.lease.owner, p.lease.owner.pump(p))
+
+    def finish(self, request: str) -> None:
+        p = self.lot.request_finished(request)
+        if p is not None:
+            self.run(p.lease.owner, p.lease.owner.pump(p))
+
+    def tick(self) -> None:
+        if self.session is not None:
+            self.run(self.session, self.session.tick())
+        self.lot.tick()
+
+    def close(self, reason: str = "killed") -> None:
+        self.run(self.session, self.session.close(reason))
+
+    def answer(self, lookup_id: int, present) -> None:
+        ok, actions = self.session.answer_lookup(lookup_id, present)
+        self.run(self.session, actions)
+
+    # -------------------------------------------------------- the data plane's part
+    def copy(self, tid: int, peer: "Side", rows: int | None = None) -> None:
+        """The read's copy runs now: ``rows`` of it (all by default) land in our region, whatever the
+        session thinks.  That is what a stalled or resumed NIXL READ does."""
+        r = self.data.reads[tid]
+        upto = len(r.local_rows) if rows is None else min(len(r.local_rows), r.copied + rows)
+        for i in range(r.copied, upto):
+            content = peer.region[r.remote_rows[i]]
+            self.region[r.local_rows[i]] = content
+            self.landings.append((tid, r.local_rows[i], content))
+            if self.land_hook is not None:
+                self.land_hook(tid, r.local_rows[i], content)
+        r.copied = upto
+
+    def settle(self, tid: int, ok: bool = True, reason: str = "") -> None:
+        """The data plane reports the read: nothing of it lands after this."""
+        r = self.data.reads[tid]
+        if ok:  # a cancelled read whose copy was posted may well report DONE: the session must discount it
+            self.copy(tid, self.peer)  # DONE means every byte was copied
+        del self.data.reads[tid]
+        self.run(r.session, r.session.on_read_result(r.read_id, ok, reason or ("" if ok else "injected failure")))
+
+    def copy_and_settle_all(self, peer: "Side", ok: bool = True) -> None:
+        for tid in list(self.data.reads):
+            if ok and not self.data.reads[tid].cancelled:
+                self.copy(tid, peer)
+            self.settle(tid, ok)
 
     def events(self):
         return self.reporter.take()
 
 
 class Pair:
-    """A (consumer, initiator) <-> B (producer, acceptor)."""
+    """A (consumer, initiator) <-> B (producer, acceptor).  Each side has its own clock (offset apart):
+    nothing may depend on them agreeing."""
 
-    def __init__(self, **kw):
+    def __init__(self, *, skew_s: float = 12345.0, **kw):
         self.clock = Clock()
+        self.clock_b = Clock(1000.0 + skew_s)
         self.a = Side("A", self.clock, **kw.pop("a", {}))
-        self.b = Side("B", self.clock, **kw.pop("b", {}))
-        self.sa = self.a.new_session()
-        self.sb = self.b.new_session()
+        self.b = Side("B", self.clock_b, **kw.pop("b", {}))
+        self.a.peer, self.b.peer = self.b, self.a
+        self.sa = self.a.new_session(link="out-1")
+        self.sb = self.b.new_session(link="in-1")
         self.wire_a_to_b: list[bytes] = []  # every frame A sent, for checks
+
+    def advance(self, s: float) -> None:
+        self.clock.advance(s)
+        self.clock_b.advance(s)
 
     def deliver(self, max_frames: int | None = None) -> int:
         """Move frames both ways until quiet (or ``max_frames``)."""
         n = 0
         while self.a.outbox or self.b.outbox:
-            for src, dst in ((self.a, self.sb), (self.b, self.sa)):
+            for src, dst in ((self.a, self.b), (self.b, self.a)):
                 while src.outbox:
                     if max_frames is not None and n >= max_frames:
                         return n
@@ -121,21 +247,30 @@ class Pair:
         return n
 
     def handshake(self) -> "Pair":
-        self.sa.start()
+        self.a.run(self.sa, self.sa.start())
         self.deliver()
         return self
+
+    def pull_all(self, ok: bool = True) -> None:
+        """Deliver, copy and settle until nothing moves."""
+        for _ in range(10):
+            self.deliver()
+            if not self.a.data.reads:
+                break
+            self.a.copy_and_settle_all(self.b, ok)
+        self.deliver()
 
 
 def sample_messages() -> dict[type, m.Message]:
     """One valid instance of every message type."""
     fp = Fingerprint.build(block_bytes=BLOCK, protocol_version=m.PROTOCOL_VERSION)
+    info = PeerDataInfo("fake", "X", 0, 64, BLOCK)
     return {
-        m.Hello: m.Hello(m.PROTOCOL_VERSION, "X", info("X"), fp),
-        m.HelloAck: m.HelloAck(m.PROTOCOL_VERSION, "X", True, info("X"), fp),
-        m.Fetch: m.Fetch("r", 0, [b"k"], [1]),
-        m.TransferDone: m.TransferDone("r", 0, []),
-        m.AbortFetch: m.AbortFetch("r", 0),
-        m.AbortAck: m.AbortAck("r", 0),
+        m.Hello: m.Hello(m.PROTOCOL_VERSION, "X", info, fp),
+        m.HelloAck: m.HelloAck(m.PROTOCOL_VERSION, "X", True, info, fp),
+        m.Fetch: m.Fetch("r", 1, [b"k"], 1000),
+        m.Offer: m.Offer("r", 1, [b"k"], [1]),
+        m.Release: m.Release("r", 1, []),
         m.Lookup: m.Lookup(1, "r", [b"k"]),
         m.LookupResp: m.LookupResp(1, [True]),
         m.Probe: m.Probe(m.PROTOCOL_VERSION),

@@ -1,14 +1,19 @@
-"""Session transitions, roles and illegal messages, over an in-memory pair (sans-IO)."""
+"""Session transitions, both roles of the pull protocol and illegal messages, over an in-memory pair (sans-IO)."""
 
 from __future__ import annotations
 
 import pytest
 
-from p2pworker.errors import LocalProtocolError, RemoteProtocolError
+from p2pworker.errors import LocalProtocolError
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol import messages as m
-from p2pworker.session import ALLOWED, JobDone, LookupAnswer, ServeLookup, SessionClosed, SessionConfig, SessionUp, State
-from tests.unit.session_harness import BLOCK, Pair, sample_messages
+from p2pworker.session import (
+    ALLOWED, LOAD_MOVES, AddDataPeer, JobDone, LookupAnswer, PostRead, Send, ServeLookup, SessionClosed,
+    SessionConfig, SessionUp, State,
+)
+from p2pworker.session.parking import LeasePhase
+from p2pworker.session.session import LEASE_MARGIN_S, LoadEvent, LoadPhase
+from tests.unit.session_harness import BLOCK, REUSED, Pair, sample_messages
 
 KEYS = [b"k0", b"k1", b"k2", b"k3"]
 
@@ -21,38 +26,53 @@ def sent(side, kind):
     return [msg for msg in map(m.decode, side.outbox) if isinstance(msg, kind)]
 
 
+def wire(p, kind):
+    return [msg for msg in map(m.decode, p.wire_a_to_b) if isinstance(msg, kind)]
+
+
 # ---------------------------------------------------------------- handshake
-def test_handshake_brings_both_sides_up_and_registers_data_peers():
+def test_handshake_brings_both_sides_up_and_registers_data_peers_per_link():
     p = Pair()
-    p.sa.start()
+    p.a.run(p.sa, p.sa.start())
     assert p.sa.state is State.HELLO_SENT and p.sb.state is State.IDLE
     p.deliver()
     assert p.sa.state is State.ACTIVE and p.sb.state is State.ACTIVE
-    assert set(p.a.data.peers) == {"B"} and set(p.b.data.peers) == {"A"}
+    # keyed by the control link, not the peer id: two links to one peer never share a registration
+    assert set(p.a.data.peers) == {"out-1"} and set(p.b.data.peers) == {"in-1"}
     assert SessionUp("B") in p.a.events() and SessionUp("A") in p.b.events()
+
+
+def test_the_session_returns_actions_and_calls_nothing():
+    p = Pair()
+    out = p.sa.start()
+    assert [type(a) for a in out] == [Send] and isinstance(out[0].msg, m.Hello)
+    out = p.sb.receive(m.encode(out[0].msg))
+    assert [type(a) for a in out] == [AddDataPeer, Send] and out[1].msg.accepted
 
 
 def test_messages_before_the_handshake_are_queued_then_sent_in_order():
     p = Pair()
-    p.sa.start()
-    p.sa.load(1, "r", [b"a"], [0])
-    p.sa.load(2, "r", [b"b"], [1])
-    p.sa.lookup(7, [b"z"], "r")
+    p.a.run(p.sa, p.sa.start())
+    p.a.load(1, "r", [b"a"], [0])
+    p.a.load(2, "r", [b"b"], [1])
+    p.a.lookup(7, [b"z"], "r")
     assert [type(m.decode(f)) for f in p.a.outbox] == [m.Hello]  # held back
     p.deliver()
-    fetches = [m.decode(f) for f in p.wire_a_to_b if isinstance(m.decode(f), (m.Fetch, m.Lookup))]
-    assert [(type(x).__name__, getattr(x, "round", None)) for x in fetches] == [
-        ("Fetch", 0), ("Fetch", 1), ("Lookup", None)]
+    sent_ = [m.decode(f) for f in p.wire_a_to_b if isinstance(m.decode(f), (m.Fetch, m.Lookup))]
+    assert [type(x).__name__ for x in sent_] == ["Fetch", "Fetch", "Lookup"]
+    assert sent_[0].round < sent_[1].round
 
 
-def test_version_mismatch_is_rejected_with_both_versions():
+def test_version_mismatch_is_rejected_naming_both_versions():
     p = Pair()
     p.sa.state = State.HELLO_SENT
     fp = Fingerprint.build(block_bytes=BLOCK, protocol_version=m.PROTOCOL_VERSION)
-    p.sb.receive(m.encode(m.Hello(99, "A", p.a.ctx.data_info, fp)))
-    assert p.sb.state is State.CLOSED and "protocol version 99, expected 1" in p.sb.close_reason
+    p.b.run(p.sb, p.sb.receive(m.encode(m.Hello(1, "A", p.a.ctx.data_info, fp))))
+    assert p.sb.state is State.CLOSED
+    assert f"peer 'A' speaks version 1, this worker speaks version {m.PROTOCOL_VERSION}" in p.sb.close_reason
     p.deliver()
-    assert p.sa.state is State.CLOSED and "rejected by the peer: protocol version 99" in p.sa.close_reason
+    assert p.sa.state is State.CLOSED and "rejected by the peer: protocol version mismatch" in p.sa.close_reason
+    assert "version 1" in p.sa.close_reason and f"version {m.PROTOCOL_VERSION}" in p.sa.close_reason
 
 
 def test_fingerprint_mismatch_names_both_values_on_both_sides():
@@ -69,16 +89,16 @@ def test_block_size_mismatch_is_refused_by_the_data_plane():
     p = Pair(b={"block_bytes": 8192})
     p.sb.ctx.fingerprint = p.sa.ctx.fingerprint  # fingerprints agree; the data plane still refuses
     p.handshake()
-    assert p.sa.state is State.CLOSED
-    assert "block_bytes=8192, local block_bytes=4096" in p.sb.close_reason + p.sa.close_reason
+    assert p.sa.state is State.CLOSED and p.sb.state is State.CLOSED
+    assert "block_bytes=8192, local block_bytes=4096" in p.sb.close_reason
+    assert not sent(p.b, m.HelloAck), "the ack after a refused data peer must not go out"
 
 
 def test_hello_from_a_peer_other_than_the_authenticated_one_is_refused():
     p = Pair()
-    p.sb = p.b.new_session(expected_peer_id="SOMEONE-ELSE")
-    p.sa.start()
-    with pytest.raises(RemoteProtocolError, match="authenticated as 'SOMEONE-ELSE'"):
-        p.deliver()
+    p.sb = p.b.new_session(expected_peer_id="SOMEONE-ELSE", link="in-1")
+    p.handshake()
+    assert p.sb.state is State.CLOSED and "authenticated as 'SOMEONE-ELSE'" in p.sb.close_reason
 
 
 # ---------------------------------------------------------------- illegal messages per state
@@ -90,23 +110,23 @@ CASES = [(state, kind) for state in (State.IDLE, State.HELLO_SENT, State.ACTIVE)
 def test_every_illegal_message_per_state_closes_only_that_session(state, kind):
     p = Pair()
     if state is State.HELLO_SENT:
-        p.sa.start()
+        p.a.run(p.sa, p.sa.start())
         target, side = p.sa, p.a
     elif state is State.ACTIVE:
         p.handshake()
-        p.sa.load(1, "r", [b"x"], [0])
+        p.a.load(1, "r", [b"x"], [0])
         target, side = p.sa, p.a
     else:
         target, side = p.sb, p.b
     assert target.state is state
-    with pytest.raises(RemoteProtocolError, match="not allowed in state"):
-        target.receive(m.encode(sample_messages()[kind]))
-    assert target.state is State.CLOSED
+    side.run(target, target.receive(m.encode(sample_messages()[kind])))
+    assert target.state is State.CLOSED and "not allowed in state" in target.close_reason
+    assert target.counters["protocol_errors"] == 1
     evs = side.events()
     assert any(isinstance(e, SessionClosed) for e in evs)
     if state is State.ACTIVE:
         assert jobs(evs)[1].success is False  # its open job failed, once
-    target.receive(m.encode(sample_messages()[m.Bye]))  # a closed session ignores everything
+    assert target.receive(m.encode(sample_messages()[m.Bye])) == []  # a closed session ignores everything
 
 
 def test_closed_state_allows_nothing():
@@ -118,65 +138,78 @@ def test_closed_state_allows_nothing():
     (m.encode(m.Bye()) + b"x", "undecodable"),
     (b"\x82\xa4type\xa5fetch\xa1x\x01", "undecodable"),
 ])
-def test_garbage_frames_raise_the_typed_error(frame, match):
+def test_garbage_frames_close_with_the_reason(frame, match):
     p = Pair().handshake()
-    with pytest.raises(RemoteProtocolError, match=match):
-        p.sa.receive(frame)
-    assert p.sa.state is State.CLOSED
+    p.a.run(p.sa, p.sa.receive(frame))
+    assert p.sa.state is State.CLOSED and match in p.sa.close_reason
 
 
-def test_fetch_validation():
-    p = Pair().handshake()
-    with pytest.raises(RemoteProtocolError, match="2 keys but 1 rows"):
-        p.sb.receive(m.encode(m.Fetch("r", 0, [b"a", b"b"], [1])))
-    p = Pair().handshake()
-    with pytest.raises(RemoteProtocolError, match="outside the peer's 0..63"):
-        p.sb.receive(m.encode(m.Fetch("r", 0, [b"a"], [64])))
-    p = Pair().handshake()
-    with pytest.raises(RemoteProtocolError, match="duplicate"):
-        p.sb.receive(m.encode(m.Fetch("r", 0, [b"a", b"a"], [1, 2])))
-    p = Pair().handshake()
-    with pytest.raises(RemoteProtocolError, match="undecodable"):
-        p.sb.receive(m.encode(m.Fetch("r", 0, [b"a"], [1])).replace(b"\x01", b"\xff"))  # row -1
+def test_offer_and_fetch_validation():
+    def closed_with(msg_or_frame, match, setup=None, side="b"):
+        p = Pair().handshake()
+        if setup:
+            setup(p)
+        s = p.sb if side == "b" else p.sa
+        frame = msg_or_frame if isinstance(msg_or_frame, bytes) else m.encode(msg_or_frame)
+        (p.b if side == "b" else p.a).run(s, s.receive(frame))
+        assert s.state is State.CLOSED and match in s.close_reason, s.close_reason
+
+    closed_with(m.Fetch("r", 1, [b"a", b"a"], 1000), "duplicate")
+    closed_with(m.encode(m.Fetch("r", 1, [b"a"], 1000)).replace(b"\xcd\x03\xe8", b"\x00"), "undecodable")  # lease 0
+    load = lambda p: p.a.load(100, "r", [b"a", b"b"], [0, 1])  # noqa: E731
+    closed_with(m.Offer("r", 1, [b"a", b"b"], [1]), "2 keys but 1 rows", load, "a")
+    closed_with(m.Offer("r", 1, [b"a"], [64]), "outside the peer's 0..63", load, "a")
+    closed_with(m.Offer("r", 1, [b"zz"], [3]), "not requested", load, "a")
+    closed_with(m.Offer("r", 99, [b"a"], [3]), "never fetched", load, "a")
+
+    def twice(p):
+        load(p)
+        p.a.receive(m.encode(m.Offer("r", 1, [b"a"], [3])))
+    closed_with(m.Offer("r", 1, [b"a"], [4]), "names a key twice", twice, "a")
 
 
-# ---------------------------------------------------------------- PD flows
-def test_store_then_fetch_writes_exactly_the_granted_rows():
+# ---------------------------------------------------------------- PD flows (pull)
+def test_store_then_fetch_reads_exactly_the_offered_rows_into_the_granted_ones():
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS, [10, 11, 12, 13])
-    p.sa.load(100, "req", KEYS, [3, 2, 1, 0])
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.a.load(100, "req", KEYS, [3, 2, 1, 0])
     p.deliver()
-    assert [(w[0], w[2], w[3]) for w in p.b.data.writes] == [("A", [10, 11, 12, 13], [3, 2, 1, 0])]
-    p.b.complete_all()
-    p.deliver()
-    a, b = jobs(p.a.events()), jobs(p.b.events())
+    [r] = p.a.data.log
+    assert (r.local_rows, r.remote_rows) == ([3, 2, 1, 0], [10, 11, 12, 13])
+    assert p.b.lot.parcels["req"].lease.phase is LeasePhase.HELD  # the final offer went out with the keys
+    assert not jobs(p.b.events()), "the producer's rows stay pinned until the release"
+    p.a.copy_and_settle_all(p.b)
+    a = jobs(p.a.events())
     assert a[100].success and a[100].keys == tuple(KEYS) and a[100].nbytes == 4 * BLOCK
-    assert b[1].success and b[1].kind == "store"
+    assert p.a.region[:4] == list(reversed(KEYS))
+    p.deliver()  # Release
+    b = jobs(p.b.events())
+    assert b[1].success and b[1].kind == "store" and p.b.lot.parcels["req"].lease is None
     assert p.a.reporter.open_jobs == 0 and p.b.reporter.open_jobs == 0
 
 
-def test_fetch_first_then_stores_bind_as_they_arrive():
+def test_fetch_first_then_stores_are_offered_as_they_arrive():
     p = Pair().handshake()
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
     p.deliver()
-    assert p.b.data.writes == []
-    p.b.lot.store(1, "req", KEYS[:2], [20, 21])
-    p.b.lot.store(2, "req", KEYS[2:], [22, 23])
-    assert [w[3] for w in p.b.data.writes] == [[0, 1], [2, 3]]
-    p.b.complete_all()
+    assert p.a.data.log == []
+    p.b.store(1, "req", KEYS[:2], [20, 21])
     p.deliver()
+    p.b.store(2, "req", KEYS[2:], [22, 23])
+    p.deliver()
+    assert [r.remote_rows for r in p.a.data.log] == [[20, 21], [22, 23]]
+    p.pull_all()
     assert jobs(p.a.events())[100].success
     assert {j: e.success for j, e in jobs(p.b.events()).items()} == {1: True, 2: True}
 
 
 def test_partial_success_when_the_request_finishes_short():
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS[:2], [20, 21])
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.b.store(1, "req", KEYS[:2], [20, 21])
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
     p.deliver()
-    p.b.complete_all()
-    p.b.lot.request_finished("req")
-    p.deliver()
+    p.b.finish("req")
+    p.pull_all()
     a = jobs(p.a.events())[100]
     assert a.success is False and a.keys == tuple(KEYS[:2]) and "finished before" in a.reason
     assert jobs(p.b.events())[1].success
@@ -185,207 +218,297 @@ def test_partial_success_when_the_request_finishes_short():
 
 def test_fetch_after_the_request_finished_with_nothing_parked_is_answered_at_once():
     """A producer whose stores never reached this worker (e.g. its previous worker died) still reports the
-    request finished; a consumer's fetch that comes later gets an empty answer now, not after fetch_timeout_s."""
+    request finished; a consumer's fetch that comes later gets an empty final offer now."""
     p = Pair().handshake()
-    p.b.lot.request_finished("gone")
-    p.sa.load(100, "gone", KEYS, [0, 1, 2, 3])
+    p.b.finish("gone")
+    p.a.load(100, "gone", KEYS, [0, 1, 2, 3])
     p.deliver()
     a = jobs(p.a.events())[100]
     assert a.success is False and a.keys == () and "finished before" in a.reason
-    assert p.b.data.writes == [] and p.b.reporter.open_jobs == 0
-    p.clock.advance(61.0)
+    assert p.a.data.log == [] and p.b.reporter.open_jobs == 0
+    p.advance(61.0)
     p.b.lot.tick()
     assert "gone" not in p.b.lot.parcels and p.b.lot.reaped == 0
 
 
 def test_unrequested_keys_are_released_when_the_request_finishes():
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS, [20, 21, 22, 23])
-    p.sa.load(100, "req", KEYS[:1], [0])
-    p.deliver()
-    p.b.complete_all()
-    p.deliver()
+    p.b.store(1, "req", KEYS, [20, 21, 22, 23])
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.pull_all()
     assert jobs(p.a.events())[100].success
     assert p.b.reporter.open_jobs == 1  # more keys may still be asked for
-    p.b.lot.request_finished("req")
+    p.b.finish("req")
     b = jobs(p.b.events())[1]
     assert b.success and b.keys == (KEYS[0],) and b.reason == "not requested by the consumer"
 
 
-def test_client_timeout_aborts_and_a_late_completion_is_ignored():
+def test_consumer_deadline_cancels_waits_for_its_reads_then_reports_and_releases():
+    """The load is reported only once every read it posted settled; a read seen done after the deadline
+    counts as failed; the Release goes out after the report."""
     p = Pair().handshake()
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
     p.deliver()
-    p.b.lot.store(1, "req", KEYS, [10, 11, 12, 13])  # written, but the completion is slow
-    p.clock.advance(30)
-    p.sa.tick()
+    [r] = p.a.data.log
+    p.advance(30)
+    p.a.tick()
+    assert r.cancelled and not jobs(p.a.events()), "reported while a read could still land"
+    assert p.sa._loads[1].phase is LoadPhase.SETTLING
+    p.a.copy(r.tid, p.b)  # the stalled copy finishes after all...
+    p.a.settle(r.tid, ok=True)  # ...and reports DONE, past the deadline
     a = jobs(p.a.events())[100]
-    assert a.success is False and "timed out after 30 s" in a.reason
-    p.deliver()  # AbortFetch reaches B while its write is in flight: no ack yet
-    assert not sent(p.b, m.AbortAck)
-    assert p.b.data.cancelled == {1}
-    p.b.complete_all()
-    acks = sent(p.b, m.AbortAck)
-    assert len(acks) == 1 and not sent(p.b, m.TransferDone)
+    assert not a.success and a.keys == () and "timed out after 30 s" in a.reason
     p.deliver()
-    assert not jobs(p.a.events())  # nothing reported twice
-    assert jobs(p.b.events())[1].success  # its bytes did land before the abort ended
-    late = m.TransferDone("req", 0, KEYS)
-    p.sa._aborted[("req", 0)] = p.clock()  # as if the ack had been lost and the round completed anyway
-    p.sa.receive(m.encode(late))
-    assert p.sa.counters["late_completions"] == 1 and not jobs(p.a.events())
+    b = jobs(p.b.events())[1]
+    assert not b.success and "did not read it" in b.reason
 
 
-def test_producer_fetch_timeout_answers_partial_before_the_consumer_gives_up():
+def test_a_read_seen_done_after_the_deadline_never_counts():
+    p = Pair(a={"config": SessionConfig(load_timeout_s=5.0)}).handshake()
+    p.b.store(1, "req", KEYS[:1], [10])
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.deliver()
+    [r] = p.a.data.log
+    p.a.copy(r.tid, p.b)
+    p.advance(5.0)  # no tick ran: the result alone must be judged against the deadline
+    p.a.settle(r.tid, ok=True)
+    a = jobs(p.a.events())[100]
+    assert not a.success and a.keys == () and "after the load's deadline" in a.reason
+    assert p.sa.counters["late_reads"] == 1
+
+
+def test_producer_holds_offered_rows_past_the_consumers_deadline_whatever_the_clocks_say():
+    """The hold starts when the Fetch is received (after it was sent) and lasts longer than the lease."""
+    for skew in (-1e6, 0.0, 1e6):
+        p = Pair(skew_s=skew, a={"config": SessionConfig(load_timeout_s=4.0)}).handshake()
+        p.b.store(1, "req", KEYS[:1], [10])
+        p.a.load(100, "req", KEYS[:1], [0])
+        p.advance(0.3)  # the Fetch is in flight
+        p.deliver()
+        lease = p.b.lot.parcels["req"].lease
+        assert lease.hold_until - p.clock_b() >= 4.0 + LEASE_MARGIN_S - 1e-9
+        p.advance(4.0 + 0.3)  # the consumer's deadline passed; the producer's hold did not
+        p.b.lot.tick()
+        assert p.b.lot.parcels["req"].lease is lease and not jobs(p.b.events())
+        p.advance(LEASE_MARGIN_S + 0.01)
+        p.b.lot.tick()
+        b = jobs(p.b.events())[1]
+        assert not b.success and "ran out" in b.reason and p.b.lot.leases_expired == 1
+
+
+def test_producer_offers_end_before_the_consumer_gives_up():
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS[:1], [10])
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.b.store(1, "req", KEYS[:1], [10])
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
     p.deliver()
-    p.b.complete_all()
-    p.clock.advance(20)
-    p.sb.tick()
-    p.deliver()
+    p.advance(20)
+    p.b.tick()
+    p.pull_all()
     a = jobs(p.a.events())[100]
     assert not a.success and a.keys == (KEYS[0],) and "timed out on the producer" in a.reason
 
 
-def test_write_submission_failure_fails_the_store_at_once():
+def test_read_submission_failure_fails_the_load_and_the_unread_store():
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS, [10, 11, 12, 13])
-    p.b.data.fail_submit = True
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.a.data.fail_submit = True
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
     p.deliver()
-    b = jobs(p.b.events())[1]
-    assert not b.success and "injected submit failure" in b.reason
     a = jobs(p.a.events())[100]
-    assert not a.success and a.keys == ()
+    assert not a.success and a.keys == () and "injected submit failure" in a.reason
+    b = jobs(p.b.events())[1]
+    assert not b.success and "did not read it" in b.reason
 
 
-def test_async_write_failure_fails_store_and_load():
+def test_async_read_failure_fails_store_and_load():
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS, [10, 11, 12, 13])
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
-    p.deliver()
-    p.b.complete_all(ok=False)
-    p.deliver()
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.pull_all(ok=False)
     assert not jobs(p.b.events())[1].success
     assert not jobs(p.a.events())[100].success
 
 
 def test_unfetched_stores_are_reaped_and_reported_failed():
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS, [10, 11, 12, 13])
-    p.clock.advance(59)
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.advance(59)
     p.b.lot.tick()
     assert not jobs(p.b.events())
-    p.clock.advance(1)
+    p.advance(1)
     p.b.lot.tick()
     b = jobs(p.b.events())[1]
     assert not b.success and "not fetched within 60 s" in b.reason and p.b.lot.reaped == 1
 
 
-def test_peer_death_fails_every_job_of_that_peer_once():
+def test_consumer_death_keeps_offered_rows_pinned_until_the_lease_ends():
+    """A consumer whose link died may still be reading (NIXL READ is one-sided): the producer must not hand
+    the rows back to vLLM before the lease ends."""
     p = Pair().handshake()
-    p.b.lot.store(1, "req", KEYS, [10, 11, 12, 13])
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
-    p.sa.load(101, "other", [b"x"], [9])
-    p.sa.lookup(5, [b"x"], "req")
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.b.store(2, "other", [b"x"], [20])
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
     p.deliver()
-    p.sa.close("heartbeat lost")
-    p.sb.close("heartbeat lost")
-    evs_a = p.a.events()
-    assert {j: e.success for j, e in jobs(evs_a).items()} == {100: False, 101: False}
-    assert LookupAnswer(5, None, "session to B closed: heartbeat lost") in evs_a
+    p.b.close("heartbeat lost")
+    assert not jobs(p.b.events()), "leased rows released on link loss"
+    assert "in-1" in p.b.data.removed
+    p.advance(30 + LEASE_MARGIN_S + 0.1)
+    p.b.lot.tick()
     b = jobs(p.b.events())
-    assert not b[1].success and "consumer A lost" in b[1].reason
-    assert p.b.data.cancelled == {1} and "A" in p.b.data.removed
-    p.b.complete_all()  # the cancelled write reports late: ignored
-    assert p.b.ctx.late_writes == 1
-    assert not jobs(p.a.events()) and not jobs(p.b.events())
-    p.sa.load(102, "r", [b"y"], [1])  # a load on a dead session fails at once
+    assert not b[1].success and "ran out" in b[1].reason and 2 not in b  # the unfetched parcel waits on
+
+
+def test_peer_death_fails_every_consumer_job_once_after_its_reads_settle():
+    p = Pair().handshake()
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.a.load(101, "other", [b"x"], [9])
+    p.a.lookup(5, [b"x"], "req")
+    p.deliver()
+    [r] = p.a.data.log
+    p.a.close("heartbeat lost")
+    evs_a = p.a.events()
+    assert {j: e.success for j, e in jobs(evs_a).items()} == {101: False}, "100 has a read in flight"
+    assert LookupAnswer(5, None, "session to B closed: heartbeat lost") in evs_a
+    assert r.cancelled and "out-1" in p.a.data.removed and not p.sa.settled
+    p.a.settle(r.tid, ok=False, reason="cancelled")
+    a = jobs(p.a.events())[100]
+    assert not a.success and "heartbeat lost" in a.reason and p.sa.settled
+    p.a.load(102, "r", [b"y"], [1])  # a load on a dead session fails at once
     assert not jobs(p.a.events())[102].success
+
+
+def test_reads_that_never_settle_are_given_up_after_settle_timeout():
+    p = Pair(a={"config": SessionConfig(load_timeout_s=2.0, settle_timeout_s=3.0)}).handshake()
+    p.b.store(1, "req", KEYS[:1], [10])
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.deliver()
+    p.advance(2.0)
+    p.a.tick()
+    assert not jobs(p.a.events())
+    p.advance(3.0)
+    p.a.tick()
+    a = jobs(p.a.events())[100]
+    assert not a.success and "did not settle within 3 s" in a.reason and p.sa.counters["unsettled_reads"] == 1
 
 
 def test_bye_closes_and_fails_jobs():
     p = Pair().handshake()
-    p.sa.load(100, "req", KEYS, [0, 1, 2, 3])
-    p.sb.close("shutting down", bye=True)
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.b.run(p.sb, p.sb.close("shutting down", bye=True))
     p.deliver()
     assert p.sa.state is State.CLOSED and "peer said bye: shutting down" in p.sa.close_reason
     assert not jobs(p.a.events())[100].success
 
 
-def test_second_round_while_one_is_active_is_refused_and_stale_rounds_ignored():
+def test_a_second_fetch_while_a_lease_is_held_is_answered_empty_and_final():
     p = Pair().handshake()
-    p.sa.load(100, "req", KEYS[:1], [0])
-    p.sa.load(101, "req", KEYS[1:2], [1])
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.a.load(101, "req", KEYS[1:2], [1])
     p.deliver()
     a = jobs(p.a.events())
-    assert not a[101].success and "previous round still in progress" in a[101].reason
-    p.sb.receive(m.encode(m.Fetch("req", 0, [b"k9"], [5])))
-    assert p.sb.counters["stale_fetches"] == 1
+    assert not a[101].success and "leased to another fetch" in a[101].reason
+    p.pull_all()
+    assert jobs(p.a.events())[100].success
 
 
-def test_transfer_done_that_was_never_asked_for_is_a_protocol_error():
+def test_rounds_are_unique_across_sessions_of_one_worker():
+    """A reconnect's new session must not reuse a round number (the old design dropped its round 0 as stale)."""
     p = Pair().handshake()
-    with pytest.raises(RemoteProtocolError, match="never fetched"):
-        p.sa.receive(m.encode(m.TransferDone("nope", 0, [])))
-    p = Pair().handshake()
-    p.sa.load(100, "req", [b"a"], [0])
-    with pytest.raises(RemoteProtocolError, match="not requested"):
-        p.sa.receive(m.encode(m.TransferDone("req", 0, [b"zzz"])))
+    p.a.load(100, "req", [b"a"], [0])
+    first = p.sa._loads.copy()
+    s2 = p.a.new_session(link="out-2")
+    p.a.run(s2, s2.load(101, "req", [b"b"], [1]))
+    assert set(first).isdisjoint(s2._loads)
+
+
+def test_late_offer_after_the_report_is_ignored_and_an_unknown_release_is_counted():
+    p = Pair(a={"config": SessionConfig(load_timeout_s=2.0)}).handshake()
+    p.a.load(100, "req", [b"a"], [0])
+    p.advance(2)
+    p.a.tick()
     assert not jobs(p.a.events())[100].success
+    p.a.receive(m.encode(m.Offer("req", 1, [b"a"], [5], True)))
+    assert p.sa.state is State.ACTIVE and p.sa.counters["late_offers"] == 1 and not p.a.data.log
+    p.b.receive(m.encode(m.Release("nope", 7, [])))
+    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_releases"] == 1
+
+
+def test_release_naming_keys_never_offered_is_a_protocol_error():
+    p = Pair().handshake()
+    p.b.store(1, "req", [b"a"], [10])
+    p.a.load(100, "req", [b"a"], [0])
+    p.deliver()
+    p.b.receive(m.encode(m.Release("req", 1, [b"zz"])))
+    assert p.sb.state is State.CLOSED and "not offered" in p.sb.close_reason
+    assert not jobs(p.b.events()), "the lease still holds after a protocol error"
+
+
+def test_lease_longer_than_the_producer_grants_is_refused():
+    p = Pair(a={"config": SessionConfig(load_timeout_s=600.0)}).handshake()
+    p.b.store(1, "req", [b"a"], [10])
+    p.a.load(100, "req", [b"a"], [0])
+    p.deliver()
+    a = jobs(p.a.events())[100]
+    assert not a.success and "exceeds this producer's max_lease_s=300" in a.reason
 
 
 def test_lookups_round_trip_time_out_and_are_validated():
     p = Pair().handshake()
-    p.sa.lookup(1, [b"a", b"b"], "req")
+    p.a.lookup(1, [b"a", b"b"], "req")
     p.deliver()
     serve = [e for e in p.b.events() if isinstance(e, ServeLookup)]
     assert serve == [ServeLookup("A", 1, "req", (b"a", b"b"))]
-    p.sb.answer_lookup(1, [True, False])
+    p.b.answer(1, [True, False])
     p.deliver()
     assert LookupAnswer(1, (True, False), "") in p.a.events()
-    p.sa.lookup(2, [b"c"], "req")
-    p.clock.advance(5)
-    p.sa.tick()
+    p.a.lookup(2, [b"c"], "req")
+    p.advance(5)
+    p.a.tick()
     assert LookupAnswer(2, None, "lookup timed out after 5 s") in p.a.events()
-    p.sa.lookup(3, [b"c"], "req")
-    with pytest.raises(RemoteProtocolError, match="2 answers for 1 keys"):
-        p.sa.receive(m.encode(m.LookupResp(3, [True, True])))
+    p.a.lookup(3, [b"c"], "req")
+    p.a.receive(m.encode(m.LookupResp(3, [True, True])))
+    assert p.sa.state is State.CLOSED and "2 answers for 1 keys" in p.sa.close_reason
 
 
 def test_duplicate_job_ids_are_a_local_error():
     p = Pair().handshake()
-    p.sa.load(1, "r", [b"a"], [0])
+    p.a.load(1, "r", [b"a"], [0])
     with pytest.raises(LocalProtocolError, match="duplicate job id 1"):
-        p.sa.load(1, "r2", [b"b"], [1])
+        p.a.load(1, "r2", [b"b"], [1])
     with pytest.raises(LocalProtocolError, match="not open"):
         p.a.reporter.done(999, True, (), 0, 0.0)
 
 
-def test_config_timeouts_are_used():
-    p = Pair(a={"config": SessionConfig(load_timeout_s=2.0)}).handshake()
-    p.sa.load(1, "r", [b"a"], [0])
-    p.clock.advance(2)
-    p.sa.tick()
-    assert "timed out after 2 s" in jobs(p.a.events())[1].reason
+def test_bad_loads_are_refused_at_once():
+    p = Pair().handshake()
+    p.a.load(1, "r", [b"a", b"a"], [0, 1])
+    p.a.load(2, "r", [b"a", b"b"], [3, 3])
+    p.a.load(3, "r", [], [])
+    assert {j: e.success for j, e in jobs(p.a.events()).items()} == {1: False, 2: False, 3: False}
 
 
-
-def test_rows_of_a_reported_store_are_never_written_again():
+def test_rows_of_a_reported_store_are_never_offered_again():
     """Once a store job is reported its rows are vLLM's again: a later round must not read them."""
     p = Pair().handshake()
-    p.b.lot.store(1, "req", [b"a"], [10])
-    p.sa.load(100, "req", [b"a"], [0])
-    p.deliver()
-    p.b.complete_all()
-    p.deliver()
+    p.b.store(1, "req", [b"a"], [10])
+    p.a.load(100, "req", [b"a"], [0])
+    p.pull_all()
     assert jobs(p.b.events())[1].success and jobs(p.a.events())[100].success
-    p.sa.load(101, "req", [b"a"], [1])  # round 1 asks for the same key again
+    p.b.region[10] = REUSED
+    p.a.load(101, "req", [b"a"], [1])  # a second round asks for the same key again
     p.deliver()
-    assert len(p.b.data.writes) == 1, "a reported store's row was read again"
-    p.b.lot.request_finished("req")
-    p.deliver()
+    assert len(p.a.data.log) == 1, "a reported store's row was offered again"
+    p.b.finish("req")
+    p.pull_all()
     a = jobs(p.a.events())[101]
-    assert not a.success and a.keys == ()
+    assert not a.success and a.keys == () and p.a.region[1] != REUSED
+
+
+def test_load_phase_table_is_what_the_session_follows():
+    assert LOAD_MOVES[(LoadPhase.WAITING, LoadEvent.DEADLINE)] is LoadPhase.SETTLING
+    assert LOAD_MOVES[(LoadPhase.WAITING, LoadEvent.CLOSED)] is LoadPhase.SETTLING
+    assert (LoadPhase.SETTLING, LoadEvent.DEADLINE) not in LOAD_MOVES  # a settling load waits only on its reads
+    assert PostRead.__dataclass_fields__.keys() == {"read_id", "local_rows", "remote_rows"}
