@@ -129,6 +129,7 @@ class PeerDown(msgspec.Struct, tag="peer_down"):
 class WorkerError(msgspec.Struct, tag="error"):
     message: str
     fatal: bool = False  # a configuration error (e.g. the data plane cannot run): restarting will not help
+    attach: bool = False  # the region could not be attached: this worker cannot serve
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

@@ -92,7 +92,12 @@ class WorkerClient:
                 pass
 
     def alive(self) -> bool:
-        return self.evt.peer_alive() and (self.proc is None or self.proc.poll() is None)
+        """False only once the worker is really gone.  A spawned worker: reaped (waitpid), so no thread of it
+        can still copy into our rows; a worker that closed its rings but still runs is alive.  An operator's
+        worker (no child of ours): the event ring's producer pid and start time."""
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.evt.peer_alive()
 
     # ------------------------------------------------------------ tools
     def wait_for(self, pred: Callable[[api.Event], bool], timeout_s: float = 30.0) -> api.Event:

@@ -26,7 +26,8 @@ class WorkerConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     tick_s: float = 0.05  # session/lot timers
     idle_poll_s: float = 0.1  # longest sleep when idle
-    busy_poll_s: float = 0.001  # poll period while transfers may be landing (drives NIXL progress)
+    busy_poll_s: float = 0.001  # poll period while our own reads are in flight (drives NIXL progress)
+    passive_poll_s: float = 0.005  # poll period while we hold leases: a passive NIXL target over TCP must progress
     shutdown_timeout_s: float = 10.0  # bound on draining in-flight transfers at shutdown
     prefault: bool = True  # pre-fault the region's page tables at attach (MAP_POPULATE)
     wait_rings_s: float = 0.0  # operator-launched worker: wait this long for the adapter to create the rings

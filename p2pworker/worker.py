@@ -18,10 +18,13 @@ signal exits at once with status 1.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import ipaddress
 import logging
 import math
 import os
 import signal
+import socket
 import time
 from typing import Any, Callable
 
@@ -33,8 +36,9 @@ from p2pworker import api
 from p2pworker.admin import AdminServer
 from p2pworker.config import WorkerConfig
 from p2pworker.control import LinkDown, LinkUp, Received, ZmqControl
+from p2pworker.control.zmq_control import LinkState
 from p2pworker.data import make_data_transport
-from p2pworker.errors import P2PError, TransferFailed
+from p2pworker.errors import AuthError, DataPlaneUnavailable, P2PError, TransferFailed
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol.messages import PROTOCOL_VERSION, encode
 from p2pworker.session import (
@@ -64,10 +68,19 @@ CORRUPT_ENV = "P2PWORKER_TEST_CORRUPT_LOADS"  # test-only: see Worker._scramble
 LIVENESS_CHECK_S = 0.25
 RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
 RECONNECT_MAX_S = 5.0
+RESOLVE_TTL_S = 30.0  # how long a resolved peer address is reused
+PARKED = "parked until the peer's host name is resolved"
+FAILED_LOG_PER_S = 10
+
+
+def boottime() -> float:
+    """The worker's clock.  CLOCK_BOOTTIME keeps counting while the machine is suspended (CLOCK_MONOTONIC does
+    not): a consumer whose host slept past its lease must see that its lease is over."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: WorkerConfig, *, clock: Callable[[], float] = boottime):
         if not cfg.rings:
             raise P2PError("the worker needs --rings PREFIX (the adapter creates <PREFIX>.cmd and <PREFIX>.evt)")
         self.cfg = cfg
@@ -100,6 +113,13 @@ class Worker:
         self._reads: dict[int, tuple[Session, int]] = {}  # data transfer id -> (session, its read id)
         self._tids: dict[tuple[Session, int], int] = {}  # (session, read id) -> data transfer id
         self._retry: dict[str, tuple[float, float, str]] = {}  # address -> (not before, next backoff, why)
+        self._failed_log = [0.0, 0]  # [second started, failed jobs in it]
+        self._was_up: set[str] = set()  # outbound links that were up once (a reconnect is not a first contact)
+        # Name resolution runs off the event loop (a slow resolver must not stall heartbeats): address -> the
+        # lookup in flight and the commands waiting for it.
+        self._resolver = None
+        self._resolving: dict[str, tuple[Any, list]] = {}
+        self._resolved_at: dict[str, tuple[str, float]] = {}  # address -> (ip:port address, when)
         self.pending: collections.deque = collections.deque()  # events the full event ring could not take
         self.stopping = False
         self.stop_reason = ""
@@ -164,6 +184,8 @@ class Worker:
                 self._on_control(ev)
         if self.data is not None:
             did = self._poll_data() or did
+        if self._resolving:
+            did = self._resolved() or did
         now = self.clock()
         if now >= self._next_tick:
             self._next_tick = now + self.cfg.tick_s
@@ -171,6 +193,9 @@ class Worker:
                 self._run(link, s, s.tick())
             for s in list(self._settling):
                 self._run(None, s, s.tick())
+            for s in [*self.sessions.values(), *self._settling]:
+                if s.stuck:
+                    self._abort(s.stuck)
             if self.ctx is not None:
                 self.ctx.lot.tick()
             if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
@@ -212,15 +237,20 @@ class Worker:
         return link if link is not None and self.sessions.get(link) is s else None
 
     def _needs_polling(self) -> bool:
-        """Sleep short (busy_poll_s) only while polling makes progress: our own posted reads (NIXL progress and
-        completions, the ZMQ fallback's replies), or leased rows a peer may be reading (a passive NIXL target
-        must progress over transports other than cma).  An idle worker sleeps on its sockets."""
-        data = self.data
-        if data is None:
-            return False
-        if data.in_flight():
-            return True
-        return self.ctx is not None and any(p.lease is not None for p in self.ctx.lot.parcels.values())
+        """Sleep short (busy_poll_s) only while our own posted reads are in flight (NIXL progress and
+        completions, the ZMQ fallback's replies).  Leased rows a peer may be reading get passive_poll_s (see
+        _sleep); an idle worker sleeps on its sockets."""
+        return self.data is not None and bool(self.data.in_flight())
+
+    def _abort(self, why: str) -> None:
+        """Reads we posted will not settle and cannot be aborted (NIXL): the only safe end is this process's death,
+        which stops every read it initiated before the adapter reports their jobs.  No orderly shutdown: that
+        would unmap and close the rings under the posted reads."""
+        log.critical("%s; exiting now so that they cannot land in rows vLLM reuses", why)
+        try:
+            self.evt.try_put(api.WorkerError(f"exiting: {why}"))
+        finally:
+            os._exit(70)
 
     def _in_flight(self) -> bool:
         if self.data is not None and self.data.in_flight():
@@ -230,7 +260,12 @@ class Worker:
     def _sleep(self, busy: bool) -> None:
         if self.data is not None and self.data.has_backlog():
             return  # pieces are ready to post: no sleeping
-        timeout_s = self.cfg.busy_poll_s if busy else max(0.0, min(self.cfg.idle_poll_s, self._next_tick - self.clock()))
+        if busy:
+            timeout_s = self.cfg.busy_poll_s
+        else:
+            timeout_s = max(0.0, min(self.cfg.idle_poll_s, self._next_tick - self.clock()))
+            if self.ctx is not None and self.ctx.lot.leases:
+                timeout_s = min(timeout_s, self.cfg.passive_poll_s)
         socks = (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ()))
         if socks != self._poll_socks:  # links come and go: rebuild only then, not on every sleep
             self._poller = zmq.Poller()
@@ -260,12 +295,16 @@ class Worker:
             try:
                 self._handle(cmd)
             except P2PError as e:
-                self._error(f"{type(cmd).__name__}: {e}", fatal=isinstance(cmd, api.AttachRegion))
+                attach = isinstance(cmd, api.AttachRegion)
+                # Configuration errors (the data plane cannot run here, no secret) do not heal by restarting;
+                # a port in use or a full /dev/shm may.
+                self._error(f"{type(cmd).__name__}: {e}", attach=attach,
+                            fatal=attach and isinstance(e, (DataPlaneUnavailable, AuthError)))
             except Exception as e:
                 if not isinstance(cmd, api.AttachRegion):
                     raise
-                # A library that fails in its own way at start (NIXL, ZMQ): the cause, not a crash loop.
-                self._error(f"AttachRegion: {type(e).__name__}: {e}", fatal=True)
+                # A library that fails in its own way at start (NIXL, ZMQ): the cause, not a crash.
+                self._error(f"AttachRegion: {type(e).__name__}: {e}", attach=True)
         return did
 
     def _handle(self, cmd: api.Command) -> None:
@@ -273,21 +312,26 @@ class Worker:
             case api.StoreJob():
                 if self._refuse(cmd.job_id, "store"):
                     return
-                self._pump(self.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
+                news = self.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
+                if news is not None:
+                    self._pump(*news)
             case api.LoadJob():
                 if self._refuse(cmd.job_id, "load"):
                     return
-                s, why = self._session_for(cmd.address)
+                s, why = self._session_for(cmd.address, cmd)
                 if s is None:
-                    self._fail_now(cmd.job_id, "load", why)
+                    if why is not PARKED:
+                        self._fail_now(cmd.job_id, "load", why)
                     return
                 if self._corrupt is not None:
                     self._corrupt[cmd.job_id] = dict(zip(cmd.keys, cmd.rows))
                 self._run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
             case api.LookupKeys():
                 s, why = (None, "worker not ready") if self.ctx is None or self.stopping else \
-                    self._session_for(cmd.address)
+                    self._session_for(cmd.address, cmd)
                 if s is None:
+                    if why is PARKED:
+                        return
                     self.reporter.open_lookup(cmd.lookup_id)
                     self.reporter.lookup_done(cmd.lookup_id, None, why)
                     return
@@ -303,7 +347,7 @@ class Worker:
                 if self.ctx is not None:
                     self._pump(self.ctx.lot.request_finished(cmd.request_id))
             case api.OpenSession():
-                self._session_for(cmd.address)
+                self._session_for(cmd.address, cmd)
             case api.CloseSession():
                 link = self.out_links.get(_addr_key(cmd.address))
                 s = self.sessions.get(link) if link is not None else None
@@ -312,6 +356,7 @@ class Worker:
                     self._retry.pop(_addr_key(cmd.address), None)  # asked for, not a failure: no backoff
                 elif link is not None:
                     self.out_links.pop(_addr_key(cmd.address), None)
+                    self._was_up.discard(link)
                     self.ctl.disconnect(link)
             case api.AttachRegion():
                 self._attach(cmd)
@@ -365,20 +410,45 @@ class Worker:
         self.reporter.emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint))
 
     # ------------------------------------------------------------ sessions
-    def _session_for(self, address: str) -> tuple[Session | None, str]:
-        """The session of the outbound link to ``address`` (connecting one if needed), or (None, why not)."""
+    def _session_for(self, address: str, cmd: Any = None) -> tuple[Session | None, str]:
+        """The session of the outbound link to ``address`` (connecting one if needed), or (None, why not).
+
+        (None, PARKED): the host name is being resolved off the loop; ``cmd`` is run again once it is."""
         if self.ctl is None:
             return None, "worker has no region attached yet"
         key = _addr_key(address)
         link = self.out_links.get(key)
-        if link is None:
+        if link is not None:
+            lk = self.ctl.link(link)
+            if lk is None or lk.state is LinkState.FAILED:
+                # The control transport gave up on it (the peer rejected us): drop it; after a backoff the next
+                # command opens a fresh link (the peer may have been fixed and restarted meanwhile).
+                why = lk.reason if lk is not None else "link gone"
+                self.out_links.pop(key, None)
+                self._was_up.discard(link)
+                self.ctl.disconnect(link)
+                s = self.sessions.get(link)
+                if s is not None:
+                    self._run(None, s, s.close(f"control link failed: {why}"))
+                    self._retire(s)
+                self._backoff(key, f"control link failed: {why}")
+                return None, f"peer {address}: control link failed ({why})"
+            if lk.state is not LinkState.UP and link in self._was_up:
+                # Fail fast: a Fetch queued now would reach whatever process answers next on that address (a
+                # restarted producer that never heard of the request) and wait out its fetch_timeout_s.
+                return None, f"peer {address}: control link {lk.state.value} ({lk.reason or 'reconnecting'})"
+        else:
             retry = self._retry.get(key)
             if retry is not None and self.clock() < retry[0]:
-                return None, f"session to {address} closed ({retry[2]}); reconnecting in {retry[0] - self.clock():.1f} s"
+                return None, f"peer {address}: {retry[2]}; retrying in {retry[0] - self.clock():.1f} s"
+            target = self._resolve(key, cmd)
+            if target is None:
+                return None, PARKED
             try:
-                link = self.ctl.connect(address)
+                link = self.ctl.connect(target)
             except P2PError as e:
                 log.warning("cannot connect to %s: %s", address, e)
+                self._backoff(key, f"unreachable: {e}")
                 return None, f"peer {address} unreachable: {e}"
             self.out_links[key] = link
         s = self.sessions.get(link)
@@ -386,16 +456,62 @@ class Worker:
             s = self.sessions[link] = self._new_session(link, None)
         return s, ""
 
+    def _backoff(self, key: str, why: str) -> None:
+        _, backoff, _ = self._retry.get(key, (0.0, RECONNECT_MIN_S, ""))
+        self._retry[key] = (self.clock() + backoff, min(2 * backoff, RECONNECT_MAX_S), why)
+
+    def _resolve(self, key: str, cmd: Any) -> str | None:
+        """``host:port`` with the host as an IP literal, or None while a lookup runs on the resolver thread."""
+        host, _, port = key.rpartition(":")
+        bare = host.strip("[]")
+        try:
+            ipaddress.ip_address(bare)
+            return key  # a literal: getaddrinfo would not touch the network
+        except ValueError:
+            pass
+        cached = self._resolved_at.get(key)
+        if cached is not None and self.clock() - cached[1] < RESOLVE_TTL_S:
+            return cached[0]
+        if key in self._resolving:
+            self._resolving[key][1].append(cmd)
+            return None
+        if self._resolver is None:
+            self._resolver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2pworker-resolve")
+        fut = self._resolver.submit(socket.getaddrinfo, bare, int(port) if port.isdigit() else 0,
+                                    type=socket.SOCK_STREAM)
+        self._resolving[key] = (fut, [cmd])
+        return None
+
+    def _resolved(self) -> bool:
+        """Run the commands whose peer's name is now resolved (or fail them with the resolver's error)."""
+        did = False
+        for key, (fut, cmds) in list(self._resolving.items()):
+            if not fut.done():
+                continue
+            did = True
+            del self._resolving[key]
+            try:
+                info = fut.result()
+                ip = info[0][4][0]
+                self._resolved_at[key] = (f"[{ip}]:{key.rpartition(':')[2]}" if ":" in ip else
+                                          f"{ip}:{key.rpartition(':')[2]}", self.clock())
+            except (OSError, IndexError, ValueError) as e:
+                self._backoff(key, f"cannot resolve it: {e}")
+            for cmd in cmds:
+                if cmd is not None:
+                    self._handle(cmd)  # resolved: proceeds; failed: the backoff entry fails it with the reason
+        return did
+
     def _new_session(self, link: str, peer: str | None) -> Session:
         s = Session(self.ctx, expected_peer_id=peer)
         s.link = link
         return s
 
-    def _pump(self, p) -> None:
+    def _pump(self, p, new_keys: list[bytes] | None = None) -> None:
         """The parking lot has news for the session serving ``p``'s lease (new stores, request finished)."""
         if p is not None and p.lease is not None and p.lease.owner is not None:
             s = p.lease.owner
-            self._run(self._link_of(s), s, s.pump(p))
+            self._run(self._link_of(s), s, s.pump(p, new_keys))
 
     def _run(self, link: str | None, s: Session, actions: list[Action]) -> None:
         """Perform what a session asked for, in order.  Failures feed back into the session (iteratively, never
@@ -437,6 +553,10 @@ class Worker:
                         self.data.cancel(tids)
         if s.state is State.CLOSED:
             self._retire(s)
+        elif link is not None and s.state is State.ACTIVE and link.startswith("out-") and self._retry:
+            lk = self.ctl.link(link)
+            if lk is not None:
+                self._retry.pop(_addr_key(lk.address), None)  # a working session: the next failure starts afresh
 
     def _retire(self, s: Session) -> None:
         """Forget a closed session's link; keep the session until its cancelled reads settled."""
@@ -451,11 +571,14 @@ class Worker:
                     # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                     # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                     del self.out_links[key]
+                    self._was_up.discard(link)
                     self.ctl.disconnect(link)
                     _, backoff, _ = self._retry.get(key, (0.0, RECONNECT_MIN_S, ""))
                     self._retry[key] = (self.clock() + backoff, min(2 * backoff, RECONNECT_MAX_S), s.close_reason)
-            elif not out and self.ctl is not None and s.counters["protocol_errors"]:
-                self.ctl.disconnect(link)  # a peer that broke the protocol reconnects if it wants to talk again
+            elif not out and self.ctl is not None and not s.quiet_close:
+                # Hang up: the peer's session may still think it is ACTIVE (we may not have been able to send
+                # Bye); without the link it notices now instead of sending into a session that ignores it.
+                self.ctl.disconnect(link)
         if s.settled:
             if s in self._settling:
                 self._settling.remove(s)
@@ -482,9 +605,7 @@ class Worker:
                 s = self.sessions[ev.link] = self._new_session(ev.link, ev.node_id)
             s.expected_peer_id = ev.node_id
             if ev.outbound:
-                key = _addr_key(ev.address) if getattr(ev, "address", "") else None
-                if key is not None:
-                    self._retry.pop(key, None)
+                self._was_up.add(ev.link)
                 self._run(ev.link, s, s.start())
             # An inbound reconnect replaces its old link inside the control transport without a LinkDown:
             # retire sessions whose link is gone.
@@ -500,13 +621,17 @@ class Worker:
                 self._retire(s)
 
     # ------------------------------------------------------------ events
-    def _error(self, message: str, *, fatal: bool = False) -> None:
+    def _error(self, message: str, *, fatal: bool = False, attach: bool = False) -> None:
         log.error("%s%s", message, " (configuration error: this worker cannot serve)" if fatal else "")
         self.counters["errors"] += 1
-        self.reporter.emit(api.WorkerError(message, fatal))
+        self.reporter.emit(api.WorkerError(message, fatal, attach))
 
     def _flush_events(self) -> None:
         for ev in self.reporter.take():
+            if isinstance(ev, JobDone) and not ev.success:
+                self._log_failed(ev)
+            elif isinstance(ev, SessionClosed):
+                log.info("session with %s closed: %s", ev.peer_id or "?", ev.reason)
             if self._corrupt is not None and isinstance(ev, JobDone) and ev.kind == "load":
                 self._scramble(ev)
             self.pending.append(_to_api(ev))
@@ -519,6 +644,19 @@ class Worker:
                 self.counters[f"jobs_{ev.kind}_{'ok' if ev.success else 'failed'}"] += 1
                 if self.metrics is not None:
                     self.metrics.job(ev)
+
+    def _log_failed(self, ev: JobDone) -> None:
+        """One line per failed job (what an operator needs to tell a slow peer from a lost one), at most
+        FAILED_LOG_PER_S a second: a dead peer fails thousands of jobs at once; the rest are counted."""
+        now = self.clock()
+        if now - self._failed_log[0] >= 1.0:
+            if self._failed_log[1] > FAILED_LOG_PER_S:
+                log.info("... and %d more failed jobs in that second", self._failed_log[1] - FAILED_LOG_PER_S)
+            self._failed_log = [now, 0]
+        self._failed_log[1] += 1
+        if self._failed_log[1] <= FAILED_LOG_PER_S:
+            log.info("%s job %d failed after %.3f s (%d keys moved): %s", ev.kind, ev.job_id, ev.seconds,
+                     len(ev.keys), ev.reason)
 
     def _scramble(self, ev: JobDone) -> None:
         """Test-only: rotate every row this load wrote (valid values in the wrong places)."""
@@ -542,29 +680,20 @@ class Worker:
             self._fail_queued_commands(reason)
             for link, sess in list(self.sessions.items()):
                 self._run(link, sess, sess.cancel_loads(reason))  # reported once their reads settled
-            unmapped = self.data is None
             if self.data is not None:
-                if self.data.close(self.cfg.shutdown_timeout_s):
-                    self._poll_data()  # the cancelled reads settled: loads reported, Releases sent
-                    for link, sess in list(self.sessions.items()):
-                        self._run(link, sess, sess.close(reason, bye=True))
-                    # Unmap BEFORE the store jobs are reported: a consumer still reading a leased row then reads
-                    # nothing of ours (its read fails), instead of a row vLLM already refilled.
-                    if self.region is not None:
-                        self.region.close()
-                        self.region = None
-                    unmapped = True
-                else:
-                    # Reads may still land in our rows: report nothing of them (the adapter fails the jobs once
-                    # this process is gone, and with it every read it initiated), keep the region mapped.
-                    log.error("transfers still in flight after %.1f s; the region stays mapped until exit",
-                              self.cfg.shutdown_timeout_s)
-                    self.region = None
+                if not self.data.close(self.cfg.shutdown_timeout_s):
+                    # Posted reads may still land in our rows, and NIXL cannot abort them: report nothing, unmap
+                    # nothing; exit, which ends them (the adapter fails the jobs once this process is reaped).
+                    self._abort(f"transfers still in flight {self.cfg.shutdown_timeout_s:g} s into the shutdown")
+                self._poll_data()  # the cancelled reads settled: loads reported, Releases sent
             for link, sess in list(self.sessions.items()):
-                if sess.state is not State.CLOSED:
-                    self._run(link, sess, sess.close(reason, bye=True))
-            if self.ctx is not None and unmapped:
-                self.ctx.lot.shutdown(reason)
+                self._run(link, sess, sess.close(reason, bye=True))
+            if self.ctx is not None:
+                held = self.ctx.lot.shutdown(reason)
+                if held:
+                    # A consumer may still be reading those rows (a read goes by pid, not by registration):
+                    # their store jobs are failed by the adapter once this process is gone, not by us now.
+                    log.info("%d leased request(s) stay unreported until this process exits", held)
             if self.ctl is not None:
                 self.ctl.close()
             deadline = self.clock() + 2.0
@@ -585,6 +714,16 @@ class Worker:
             log.info("worker stopped: %s", self.stop_reason)
 
     def _fail_queued_commands(self, reason: str) -> None:
+        parked = [cmd for _, cmds in self._resolving.values() for cmd in cmds if cmd is not None]
+        self._resolving.clear()
+        for cmd in parked:
+            if isinstance(cmd, api.LoadJob):
+                self._fail_now(cmd.job_id, "load", reason)
+            elif isinstance(cmd, api.LookupKeys):
+                self.reporter.open_lookup(cmd.lookup_id)
+                self.reporter.lookup_done(cmd.lookup_id, None, reason)
+        if self._resolver is not None:
+            self._resolver.shutdown(wait=False, cancel_futures=True)
         while True:
             try:
                 cmd = self.cmd.try_get()

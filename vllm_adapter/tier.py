@@ -184,14 +184,16 @@ class P2PWorkerTier(SecondaryTierManager):
         self._last_event = time.monotonic()
         self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
         self._fatal: str | None = None  # the worker reported a configuration error: no restarts
+        self._attach_error: str | None = None
         self.restarts = 0
         self._stats = {"loads_ok": 0, "loads_failed": 0, "stores_ok": 0, "stores_failed": 0, "worker_deaths": 0}
         self._start_worker()
         deadline = time.monotonic() + start_timeout_s
         while not self._ready:  # start-up only: the engine is not serving yet
             self._pump()
-            if self._fatal is not None:
-                raise P2PError(f"p2pworker for {self._name} cannot start: {self._fatal}")
+            if self._fatal is not None or self._attach_error is not None:
+                # at start-up every attach failure is the cause vLLM should print, now, not after 120 s
+                raise P2PError(f"p2pworker for {self._name} cannot start: {self._fatal or self._attach_error}")
             if self._client is None or time.monotonic() > deadline:
                 raise P2PError(f"p2pworker for {self._name} did not become ready within {start_timeout_s} s")
             time.sleep(0.01)
@@ -272,6 +274,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._to_serve.append(ev)
             elif isinstance(ev, api.Ready):
                 self._ready = True
+                self._attach_error = None
                 self._last_event = time.monotonic()
                 self._backoff_s = RESTART_MIN_S
                 client.ready = ev
@@ -283,6 +286,10 @@ class P2PWorkerTier(SecondaryTierManager):
                 if ev.fatal:
                     self._fatal = ev.message
                     self._worker_died(f"configuration error: {ev.message}")
+                    return
+                if ev.attach:  # this worker cannot serve; a new one may (a port freed, memory available)
+                    self._attach_error = ev.message
+                    self._worker_died(f"could not attach the region: {ev.message}")
                     return
             elif isinstance(ev, api.PeerDown):
                 log.info("p2pworker peer %s down: %s", ev.peer_id, ev.reason)

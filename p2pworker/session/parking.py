@@ -81,6 +81,7 @@ class ParkingLot:
         self.parcels: dict[str, Parcel] = {}
         self.reaped = 0
         self.leases_expired = 0
+        self.leases = 0  # parcels under a lease now (the worker polls for passive progress only then)
 
     def parcel(self, request_id: str) -> Parcel:
         p = self.parcels.get(request_id)
@@ -89,8 +90,9 @@ class ParkingLot:
         return p
 
     # ------------------------------------------------------------ from the adapter
-    def store(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]) -> Parcel | None:
-        """Park a store job.  Returns the parcel when a session should offer the new keys (its lease's owner)."""
+    def store(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]
+              ) -> tuple[Parcel, list[bytes]] | None:
+        """Park a store job.  Returns (parcel, new keys) when a session should offer them (its lease's owner)."""
         now = self.clock()
         self.reporter.open(job_id, "store", now)
         if len(keys) != len(rows) or not keys:
@@ -110,7 +112,7 @@ class ParkingLot:
             self.reporter.done(job_id, True, keys, 0, now, "")
             return None
         p.jobs[job_id] = StoreRecord(new, set(new))
-        return p if p.lease is not None and p.lease.owner is not None else None
+        return (p, new) if p.lease is not None and p.lease.owner is not None else None
 
     def request_finished(self, request_id: str) -> Parcel | None:
         """No more stores for the request.  Returns the parcel when its lease's owner should end the offers."""
@@ -132,6 +134,7 @@ class ParkingLot:
         if p.lease is not None:
             raise ValueError(f"parcel {p.request_id!r} is leased already (round {p.lease.round})")
         p.lease = lease
+        self.leases += 1
 
     def release(self, p: Parcel, read: list[bytes], reason: str) -> None:
         """End ``p``'s lease: ``read`` keys were read intact; other offered keys fail their jobs with ``reason``.
@@ -143,6 +146,7 @@ class ParkingLot:
         if lease is None:
             return
         p.lease = None
+        self.leases -= 1
         p.served = True
         now = self.clock()
         read_set = set(read)
@@ -162,6 +166,7 @@ class ParkingLot:
             return
         if not lease.offered:  # nothing can be read: end it now
             p.lease = None
+            self.leases -= 1
             self.drop(p, reason)
             return
         lease.owner = None
@@ -223,11 +228,20 @@ class ParkingLot:
                 self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores
                 self.drop(p, f"not fetched within {self.park_timeout_s:g} s")
 
-    def shutdown(self, reason: str) -> None:
-        """Worker exit, after the region is deregistered and unmapped: no read can reach a row now."""
+    def shutdown(self, reason: str) -> int:
+        """Worker exit: fail the store jobs of parcels without a lease.  Leased ones are NOT reported: a
+        consumer may still be reading their rows, and only this process's death stops a read by pid (the
+        adapter fails those jobs once the process is gone).  Returns how many parcels stay leased."""
+        held = 0
         for p in list(self.parcels.values()):
-            p.lease = None
+            if p.lease is not None and p.lease.offered:
+                held += 1
+                continue
+            if p.lease is not None:
+                p.lease = None
+                self.leases -= 1
             self.drop(p, reason)
+        return held
 
     @property
     def open_jobs(self) -> int:

@@ -44,6 +44,7 @@ after its job was reported.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Union
@@ -54,6 +55,8 @@ from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol import messages as m
 from p2pworker.session.parking import Lease, LeasePhase, Parcel, ParkingLot
 from p2pworker.session.reporter import Reporter, ServeLookup, SessionClosed, SessionUp
+
+log = logging.getLogger(__name__)
 
 # The producer's hold exceeds the consumer's lease by this factor and margin: monotonic clocks of two
 # hosts tick at rates within ~1e-4 of each other; 1e-3 and half a second leave room for scheduling.
@@ -139,6 +142,7 @@ class SessionConfig:
     lookup_timeout_s: float = 5.0
     park_timeout_s: float = 60.0
     settle_timeout_s: float = 10.0  # after the deadline, how long cancelled reads may take to settle
+    handshake_timeout_s: float = 3.0  # a load still waiting for the first handshake after this fails
     max_lease_s: float = 300.0  # the longest lease a producer grants
     max_queued: int = 10_000  # messages held while the handshake is pending
     max_inbound_lookups: int = 1024
@@ -184,6 +188,9 @@ class _Load:
     reason: str = ""
     phase: LoadPhase = LoadPhase.WAITING
     settle_by: float = math.inf
+    fetch: m.Fetch | None = None  # while it waits in the pre-handshake queue, it can still be withdrawn
+    handshake_by: float = math.inf  # a Fetch still queued then is withdrawn: whoever answers later on that
+    # address (a restarted producer) never heard of the request and would make us wait out its fetch_timeout_s
 
 
 class Session:
@@ -204,6 +211,8 @@ class Session:
         self._serving: dict[int, int] = {}  # inbound lookup id -> keys asked
         self._parcels: set[Parcel] = set()  # parcels whose lease this session serves
         self._data_added = False
+        self.stuck = ""  # set when posted reads never settle: the worker must exit (see tick)
+        self.quiet_close = False  # closed after answering a probe: the peer hangs up itself
         self.counters = {"late_offers": 0, "late_reads": 0, "stale_releases": 0, "unsettled_reads": 0,
                          "protocol_errors": 0, "frames_in": 0}
         self._handlers = {
@@ -251,13 +260,16 @@ class Session:
         self._out.append(Send(msg))
 
     def _send(self, msg: m.Message) -> None:
-        """Send now if ACTIVE; queue (in order) while the handshake is pending; drop when closed."""
+        """Send now if ACTIVE; queue (in order) while the handshake is pending; drop when closed.
+
+        Callers that queue (load, lookup) check :meth:`_queue_full` first and fail their job instead."""
         if self.state is State.ACTIVE:
             self._emit(msg)
         elif self.state is not State.CLOSED:
-            if len(self._queue) >= self.ctx.config.max_queued:
-                raise LocalProtocolError(f"{len(self._queue)} messages queued before the handshake completed")
             self._queue.append(msg)
+
+    def _queue_full(self) -> bool:
+        return self.state is not State.ACTIVE and len(self._queue) >= self.ctx.config.max_queued
 
     def _activate(self, peer_id: str, info: PeerDataInfo, ack: m.HelloAck | None = None) -> None:
         """Handshake done: register the peer's data plane, (acceptor) ack, then flush the queue in order.
@@ -319,6 +331,7 @@ class Session:
         ctx = self.ctx
         self._emit(m.ProbeInfo(m.PROTOCOL_VERSION, ctx.node_id, ctx.fingerprint, ctx.data_info.backend,
                                ctx.data_info.num_blocks, ctx.data_info.block_bytes))
+        self.quiet_close = True
         self._close("probed", quiet=True)
 
     def _on_bye(self, msg: m.Bye) -> None:
@@ -382,18 +395,25 @@ class Session:
             ctx.reporter.done(job_id, False, (), 0, now, f"bad load: {len(keys)} keys, {len(rows)} rows "
                                                           f"(at most {m.MAX_KEYS}, no duplicates)")
             return []
+        if self._queue_full():
+            ctx.reporter.done(job_id, False, (), 0, now, f"{len(self._queue)} messages already wait for the "
+                                                          f"handshake with {self.peer_id or 'the peer'}")
+            return []
         lease_s = ctx.config.load_timeout_s
         rnd = ctx.rounds.next()
         # The deadline is taken BEFORE the Fetch is sent (or queued): the producer's hold starts later.
-        self._loads[rnd] = _Load(job_id, request_id, rnd, granted, now + lease_s)
-        self._send(m.Fetch(request_id, rnd, list(keys), math.ceil(lease_s * 1000)))
+        load = self._loads[rnd] = _Load(job_id, request_id, rnd, granted, now + lease_s,
+                                        handshake_by=now + ctx.config.handshake_timeout_s)
+        load.fetch = m.Fetch(request_id, rnd, list(keys), math.ceil(lease_s * 1000))
+        self._send(load.fetch)
         return self._take()
 
     def lookup(self, lookup_id: int, keys: list[bytes], request_id: str) -> list[Action]:
         ctx = self.ctx
         ctx.reporter.open_lookup(lookup_id)
-        if self.state is State.CLOSED:
-            ctx.reporter.lookup_done(lookup_id, None, f"session closed: {self.close_reason}")
+        if self.state is State.CLOSED or self._queue_full():
+            ctx.reporter.lookup_done(lookup_id, None, f"session closed: {self.close_reason}" if self.state is
+                                     State.CLOSED else "too many messages wait for the handshake")
             return []
         self._lookups[lookup_id] = (ctx.clock() + ctx.config.lookup_timeout_s, len(keys))
         self._send(m.Lookup(lookup_id, request_id, list(keys)))
@@ -473,6 +493,9 @@ class Session:
         reason = "" if ok else load.reason or f"{n - len(load.read_ok)} of {n} keys did not arrive"
         ctx.reporter.done(load.job_id, ok, load.read_ok, len(load.read_ok) * ctx.data_info.block_bytes,
                           ctx.clock(), reason)
+        if self.state is not State.ACTIVE and load.fetch in self._queue:
+            self._queue.remove(load.fetch)  # never sent: nothing leased, nothing to release
+            return
         self._send(m.Release(load.request_id, load.round, load.read_ok))
 
     def _settle(self, load: _Load, event: LoadEvent, reason: str) -> None:
@@ -537,16 +560,18 @@ class Session:
         self._parcels.add(p)
         self._offer(p)
 
-    def pump(self, p: Parcel) -> list[Action]:
-        """New stores, or the request finished: offer what can be offered."""
-        self._offer(p)
+    def pump(self, p: Parcel, new_keys: list[bytes] | None = None) -> list[Action]:
+        """New stores (``new_keys``: only those are looked at, so a request fed one key at a time costs
+        linear time), or the request finished (``None``): offer what can be offered."""
+        self._offer(p, new_keys)
         return self._take()
 
-    def _offer(self, p: Parcel) -> None:
+    def _offer(self, p: Parcel, candidates: list[bytes] | None = None) -> None:
         lease = p.lease
         if lease is None or lease.owner is not self or lease.phase is not LeasePhase.OFFERING:
             return
-        keys = [k for k in lease.pending if k in p.rows]
+        pending = lease.pending
+        keys = [k for k in (pending if candidates is None else candidates) if k in pending and k in p.rows]
         for k in keys:
             del lease.pending[k]
             lease.offered[k] = p.rows[k]
@@ -558,6 +583,8 @@ class Session:
         if final and lease.pending:
             reason = ("request finished before every key was stored" if p.finished
                       else "fetch timed out on the producer")
+            log.info("fetch %r round %d from %s: %d of %d keys offered: %s", p.request_id, lease.round,
+                     self.peer_id, len(lease.offered), len(lease.offered) + len(lease.pending), reason)
             lease.pending.clear()
         if final:
             lease.phase = LeasePhase.HELD
@@ -583,12 +610,17 @@ class Session:
             if load.phase is LoadPhase.WAITING and now >= load.deadline:
                 self._settle(load, LoadEvent.DEADLINE,
                              f"timed out after {ctx.config.load_timeout_s:g} s waiting for {self.peer_id}")
-            elif load.phase is LoadPhase.SETTLING and now >= load.settle_by:
-                # Reads still not settled after settle_timeout_s: report (invariant 1) and say so loudly.
+            elif (load.phase is LoadPhase.WAITING and now >= load.handshake_by and self.state is not State.ACTIVE
+                    and self.state is not State.CLOSED):
+                self._settle(load, LoadEvent.DEADLINE, f"no handshake with the peer within "
+                                                       f"{ctx.config.handshake_timeout_s:g} s")
+            elif load.phase is LoadPhase.SETTLING and now >= load.settle_by and not self.stuck:
+                # Reads still posted settle_timeout_s after their cancellation: NIXL cannot abort a posted READ,
+                # so reporting the load now would let the bytes land in rows vLLM reused.  Never report it: ask
+                # the worker to exit (its death ends every read it initiated); the adapter then fails the jobs.
                 self.counters["unsettled_reads"] += len(load.reads)
-                load.reason = (f"{len(load.reads)} read(s) from {self.peer_id} did not settle within "
-                               f"{ctx.config.settle_timeout_s:g} s of cancellation ({load.reason})")
-                self._report(load)
+                self.stuck = (f"{len(load.reads)} read(s) from {self.peer_id} did not settle within "
+                              f"{ctx.config.settle_timeout_s:g} s of their cancellation ({load.reason})")
         if self.state is State.CLOSED:
             return self._take()
         for lookup_id, (deadline, _) in list(self._lookups.items()):

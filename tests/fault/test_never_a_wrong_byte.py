@@ -129,18 +129,20 @@ def test_consumer_sigstopped_mid_read_past_the_lease_never_reports_mixed_bytes(n
            f"{caught} of 3 attempts caught mid-read ({'; '.join(outcomes)})", "≥ 1, 0 mixed")
 
 
+@pytest.mark.timeout(900)
 def test_many_consumers_on_one_producer_with_a_short_lease(nodes, tmp_path, figures):
     """(c) Many consumers on one producer, a short load timeout: every successful load is byte-exact, and
     every failed one leaves its rows untouched after the report (canary).  Half of each request's stores
     reach the producer only after the consumer's lease ran out, so both outcomes happen."""
-    n_cons, per_req = 8, 32
-    prod = nodes("prod", seed=1)
+    n_cons, per_req = 64, 16
+    prod = nodes("prod", seed=1, block_bytes=64 << 10)
     args = short_lease(tmp_path, "cons", 1.0)
-    cons = [nodes(f"c{i}", seed=10 + i, args=args) for i in range(n_cons)]
+    cons = [nodes(f"c{i}", seed=10 + i, args=args, block_bytes=64 << 10) for i in range(n_cons)]
     jobs = Jobs()
     plans = []
-    canaried: list[tuple] = []  # (consumer, rows) of failed loads, filled with the canary after the report
-    for rnd in range(4):
+    ok = failed = intact = 0
+    for rnd in range(3):
+        canaried: list[tuple] = []  # (consumer, rows) of this round's failed loads, canary-filled after the report
         for i, c in enumerate(cons):
             req = f"c{i}-{rnd}"
             keys = keys_for(req, per_req)
@@ -149,15 +151,14 @@ def test_many_consumers_on_one_producer_with_a_short_lease(nodes, tmp_path, figu
             half = per_req // 2 if i % 2 else per_req  # odd consumers: the rest comes too late
             park(prod, jobs, req, keys[:half], src[:half], finished=half == per_req)
             plans.append((c, load(c, prod.address, jobs, req, keys, dst), src, dst))
-        time.sleep(1.2)  # past the 1 s lease of the odd consumers' loads
+        time.sleep(1.5)  # past the 1 s lease of the odd consumers' loads
         for i, c in enumerate(cons):
             if i % 2:
                 req = f"c{i}-{rnd}"
                 _, _, src, _ = plans[i]
                 park(prod, jobs, req, keys_for(req, per_req)[per_req // 2:], src[per_req // 2:])
-        ok = failed = 0
         for c, lj, src, dst in plans:
-            rep = jobs.collect(c, {lj}, timeout_s=20)[lj]
+            rep = jobs.collect(c, {lj}, timeout_s=30)[lj]
             if rep.success:
                 ok += 1
                 assert (c.region.array()[dst] == prod.region.array()[src]).all(), "bytes differ"
@@ -166,14 +167,14 @@ def test_many_consumers_on_one_producer_with_a_short_lease(nodes, tmp_path, figu
                 c.region.array()[dst] = CANARY
                 canaried.append((c, dst))
         plans.clear()
-    time.sleep(1.5)
-    for c, dst in canaried:  # no failed load's rows changed after its report
-        assert (c.region.array()[dst] == CANARY).all(), "bytes landed in a failed load's rows after its report"
+        time.sleep(1.0)  # the late stores are parked and offered to nobody; the producer goes on working
+        for c, dst in canaried:  # no failed load's rows changed after its report
+            assert (c.region.array()[dst] == CANARY).all(), "bytes landed in a failed load's rows after its report"
+            intact += 1
     collect_all(prod, jobs, timeout_s=1.0)
     assert ok and failed, (ok, failed)  # both paths ran
-    figure(figures, f"{n_cons} consumers x 4 rounds on one producer, lease 1 s",
-           f"{ok} ok / {failed} failed in the last round, all ok byte-exact, {len(canaried)} canaries intact",
-           "no wrong byte")
+    figure(figures, f"{n_cons} consumers x 3 rounds on one producer, lease 1 s",
+           f"{ok} ok (byte-exact) / {failed} failed, {intact} failed loads' canaries intact", "no wrong byte")
 
 
 def test_symmetric_pair_with_a_reconnect_in_the_middle(nodes, figures):
@@ -255,7 +256,7 @@ def test_protocol_error_on_an_outbound_link_then_the_next_load_succeeds(nodes, s
             if rnd == 0:
                 assert not rep.success and "protocol error" in rep.reason, rep
                 continue
-            if not rep.success and "reconnecting in" in rep.reason:  # within the reconnect backoff: once more
+            if not rep.success and "retrying in" in rep.reason:  # within the reconnect backoff: once more
                 time.sleep(0.5)
                 lj = load(cons, addr, jobs, f"h{rnd}", keys, list(range(64, 72)))
                 rep = jobs.collect(cons, {lj}, timeout_s=20)[lj]

@@ -53,4 +53,5 @@ def test_bench_reports_workers_vs_raw_nixl():
     (row,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert row["block_bytes"] == 65536 and row["blocks"] == 16
     assert row["workers_gbps"] > 0 and row["raw_nixl_gbps"] > 0
-    assert row["ratio"] == round(row["workers_gbps"] / row["raw_nixl_gbps"], 3)
+    # the printed figures are rounded independently: compare with a tolerance, never rounded value to rounded value
+    assert abs(row["ratio"] - row["workers_gbps"] / row["raw_nixl_gbps"]) <= 0.002 + 0.01 * row["ratio"]

@@ -209,3 +209,19 @@ def test_drain_reports_drained_once_nothing_is_in_flight_and_refuses_new_work(pa
     assert a.send(api.StoreJob(3, "r2", [b"k"], [1]))
     got = finished(a, {1, 3})
     assert got[1].success and not got[3].success and "draining" in got[3].reason
+
+
+def test_a_peer_named_by_host_name_is_resolved_off_the_loop_and_served(pair):
+    """A load addressed to ``localhost:PORT`` (a name, not an IP literal) is parked while the worker's resolver
+    thread looks the name up (getaddrinfo never runs on the event loop, where a slow resolver would stall every
+    session past its heartbeat deadline), then served byte-exact.  (Only an /etc/hosts name: a test must send
+    nothing off the host, so a slow or failing DNS server is not exercised here.)"""
+    (a, b), (ra, rb) = pair
+    port = a.ready.address.rsplit(":", 1)[1]
+    keys = [b"name-%d" % i for i in range(4)]
+    assert a.send(api.StoreJob(1, "by-name", keys, [0, 1, 2, 3]))
+    assert a.send(api.RequestFinished("by-name"))
+    assert b.send(api.LoadJob(2, f"localhost:{port}", "by-name", keys, [10, 11, 12, 13]))
+    got = finished(b, {2}, timeout_s=20)[2]
+    assert got.success, got
+    assert (rb.array()[10:14] == ra.array()[0:4]).all()

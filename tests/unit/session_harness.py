@@ -160,9 +160,10 @@ class Side:
         if content:
             for k, r in zip(keys, rows):
                 self.region[r] = k
-        p = self.lot.store(job, request, keys, rows)
-        if p is not None:
-            self.run(p.lease.owner, p.lease.owner.pump(p))
+        news = self.lot.store(job, request, keys, rows)
+        if news is not None:
+            p, new = news
+            self.run(p.lease.owner, p.lease.owner.pump(p, new))
 
     def finish(self, request: str) -> None:
         p = self.lot.request_finished(request)

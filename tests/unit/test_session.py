@@ -379,18 +379,44 @@ def test_peer_death_fails_every_consumer_job_once_after_its_reads_settle():
     assert not jobs(p.a.events())[102].success
 
 
-def test_reads_that_never_settle_are_given_up_after_settle_timeout():
+def test_reads_that_never_settle_are_never_reported_the_worker_is_asked_to_exit():
+    """NIXL cannot abort a posted READ: a load whose cancelled reads do not settle is never reported (the bytes
+    could land after vLLM reused the rows); the session flags itself stuck and the worker exits, which ends
+    every read it initiated; the adapter then fails the jobs of the dead worker."""
     p = Pair(a={"config": SessionConfig(load_timeout_s=2.0, settle_timeout_s=3.0)}).handshake()
     p.b.store(1, "req", KEYS[:1], [10])
     p.a.load(100, "req", KEYS[:1], [0])
     p.deliver()
     p.advance(2.0)
     p.a.tick()
-    assert not jobs(p.a.events())
+    assert not jobs(p.a.events()) and not p.sa.stuck
     p.advance(3.0)
     p.a.tick()
-    a = jobs(p.a.events())[100]
-    assert not a.success and "did not settle within 3 s" in a.reason and p.sa.counters["unsettled_reads"] == 1
+    assert not jobs(p.a.events()), "reported while a read could still land"
+    assert "did not settle within 3 s" in p.sa.stuck and p.sa.counters["unsettled_reads"] == 1
+    [r] = p.a.data.log
+    p.a.settle(r.tid, ok=False, reason="cancelled")  # (were it to settle after all, it is reported then)
+    assert not jobs(p.a.events())[100].success
+
+
+def test_a_load_withdrawn_before_the_handshake_sends_neither_fetch_nor_release():
+    p = Pair(a={"config": SessionConfig(load_timeout_s=2.0)})
+    p.a.run(p.sa, p.sa.start())
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.advance(2.0)
+    p.a.tick()
+    assert not jobs(p.a.events())[100].success
+    p.deliver()
+    assert not wire(p, m.Fetch) and not wire(p, m.Release) and p.b.lot.leases == 0
+
+
+def test_a_full_handshake_queue_fails_the_job_instead_of_raising():
+    p = Pair(a={"config": SessionConfig(max_queued=2)})
+    p.a.run(p.sa, p.sa.start())
+    for j in range(3):
+        p.a.load(100 + j, "req", [b"k%d" % j], [j])
+    a = jobs(p.a.events())
+    assert list(a) == [102] and "already wait for the handshake" in a[102].reason
 
 
 def test_bye_closes_and_fails_jobs():
@@ -512,3 +538,20 @@ def test_load_phase_table_is_what_the_session_follows():
     assert LOAD_MOVES[(LoadPhase.WAITING, LoadEvent.CLOSED)] is LoadPhase.SETTLING
     assert (LoadPhase.SETTLING, LoadEvent.DEADLINE) not in LOAD_MOVES  # a settling load waits only on its reads
     assert PostRead.__dataclass_fields__.keys() == {"read_id", "local_rows", "remote_rows"}
+
+
+def test_a_load_waiting_for_the_first_handshake_fails_after_handshake_timeout():
+    """A Fetch must not sit in the queue until some later process on that address answers: that process (a
+    restarted producer) never heard of the request and would make the load wait out its fetch_timeout_s."""
+    p = Pair(a={"config": SessionConfig(handshake_timeout_s=3.0)})
+    p.a.run(p.sa, p.sa.start())
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.advance(2.9)
+    p.a.tick()
+    assert not jobs(p.a.events())
+    p.advance(0.1)
+    p.a.tick()
+    a = jobs(p.a.events())[100]
+    assert not a.success and "no handshake with the peer within 3 s" in a.reason
+    p.deliver()
+    assert not wire(p, m.Fetch), "a withdrawn fetch went out after all"
