@@ -582,6 +582,10 @@ class Worker:
         if s.settled:
             if s in self._settling:
                 self._settling.remove(s)
+            if not getattr(s, "counted", False):  # its counters live on in the worker's (status, metrics)
+                s.counted = True
+                for name in ("late_reads", "late_offers", "stale_releases", "unsettled_reads", "protocol_errors"):
+                    self.counters[f"sessions_{name}"] += s.counters[name]
         elif s not in self._settling:
             self._settling.append(s)
 

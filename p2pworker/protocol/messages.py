@@ -24,6 +24,7 @@ MAX_KEYS = 8192  # keys (blocks) in one fetch, lookup or completion
 MAX_ID_CHARS = 256
 MAX_KEY_BYTES = 128
 MAX_FRAME_BYTES = 4 << 20
+MAX_LEASE_MS = 3_600_000
 
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Key = Annotated[bytes, Meta(max_length=MAX_KEY_BYTES)]
@@ -63,7 +64,7 @@ class Fetch(msgspec.Struct, tag="fetch", forbid_unknown_fields=True):
     request_id: Id
     round: Count
     keys: Keys
-    lease_ms: Annotated[int, Meta(ge=1, le=3_600_000)]
+    lease_ms: Annotated[int, Meta(ge=1, le=MAX_LEASE_MS)]
 
 
 class Offer(msgspec.Struct, tag="offer", forbid_unknown_fields=True):

@@ -395,6 +395,11 @@ class Session:
             ctx.reporter.done(job_id, False, (), 0, now, f"bad load: {len(keys)} keys, {len(rows)} rows "
                                                           f"(at most {m.MAX_KEYS}, no duplicates)")
             return []
+        lease_ms = math.ceil(ctx.config.load_timeout_s * 1000)
+        if not 1 <= lease_ms <= m.MAX_LEASE_MS:
+            ctx.reporter.done(job_id, False, (), 0, now, f"load_timeout_s={ctx.config.load_timeout_s:g} is outside "
+                                                          f"0.001..{m.MAX_LEASE_MS // 1000} s (a lease no peer grants)")
+            return []
         if self._queue_full():
             ctx.reporter.done(job_id, False, (), 0, now, f"{len(self._queue)} messages already wait for the "
                                                           f"handshake with {self.peer_id or 'the peer'}")
@@ -404,7 +409,7 @@ class Session:
         # The deadline is taken BEFORE the Fetch is sent (or queued): the producer's hold starts later.
         load = self._loads[rnd] = _Load(job_id, request_id, rnd, granted, now + lease_s,
                                         handshake_by=now + ctx.config.handshake_timeout_s)
-        load.fetch = m.Fetch(request_id, rnd, list(keys), math.ceil(lease_s * 1000))
+        load.fetch = m.Fetch(request_id, rnd, list(keys), lease_ms)
         self._send(load.fetch)
         return self._take()
 

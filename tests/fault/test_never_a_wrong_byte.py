@@ -125,6 +125,9 @@ def test_consumer_sigstopped_mid_read_past_the_lease_never_reports_mixed_bytes(n
             assert "deadline" in rep.reason or "timed out" in rep.reason, rep.reason
         prod.region.array()[src] = original
     assert caught >= 1, f"the consumer was never stopped in the middle of its reads: {outcomes}"
+    st = cons.status()  # reads seen done after their deadline: open sessions' counters + retired ones'
+    late = sum(s["late_reads"] for s in st["sessions"]) + st["counters"].get("sessions_late_reads", 0)
+    outcomes.append(f"{late} read(s) reported done after the deadline (discarded); the others were cancelled")
     figure(figures, "consumer SIGSTOP mid read past the lease: loads reported failed (never mixed bytes)",
            f"{caught} of 3 attempts caught mid-read ({'; '.join(outcomes)})", "≥ 1, 0 mixed")
 
