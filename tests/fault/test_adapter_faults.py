@@ -15,6 +15,31 @@ from tests.vllm.harness import Engine, LookupResult, ReqContext, run_until
 pytestmark = pytest.mark.timeout(240)
 
 
+def loads_in_flight(decode, host: str, port: str, n: int, prefix: str, first_chunk: int) -> None:
+    """``n`` PD loads in flight on ``decode``: nothing is parked for them, so each waits at the producer."""
+    for i in range(n):
+        ctx = ReqContext(req_id=f"d{i}", kv_transfer_params={"remote_prefiller": {
+            "kv_request_id": f"{prefix}-{i}", "remote_host": host, "remote_port": int(port)}})
+        with decode.lock:
+            decode.mgr.on_new_request(ctx)
+        decode.lookup(ctx, [first_chunk + i])
+        decode.step([ctx.req_id])
+    run_until([decode], lambda: len(decode.tier._jobs) == n and not decode.tier._outbox, timeout_s=10)
+
+
+def served_after_restart(prefill, decode, host: str, port: str, kv: str) -> bool:
+    """One PD request through the (restarted) decode worker: every chunk HIT afterwards."""
+    prefill.store("p-after", [7], {"remote_decoder": {"kv_request_id": kv}})
+    ctx = ReqContext(req_id="d-after", kv_transfer_params={"remote_prefiller": {
+        "kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
+    with decode.lock:
+        decode.mgr.on_new_request(ctx)
+    decode.lookup(ctx, [7])
+    decode.step(["d-after"])
+    run_until([decode, prefill], lambda: decode.idle() and prefill.idle(), timeout_s=30)
+    return decode.lookup(ctx, [7]) == [LookupResult.HIT]
+
+
 def test_worker_sigkill_under_load_fails_every_job_once_within_1s(free_port, figures, monkeypatch):
     """Worker SIGKILL under load: the tier reports every in-flight job failed exactly once (vLLM's manager
     asserts on a duplicate) within 1 s, lookups MISS meanwhile, and a restarted worker serves the next
@@ -24,14 +49,7 @@ def test_worker_sigkill_under_load_fails_every_job_once_within_1s(free_port, fig
     try:
         host, port = prefill.tier.worker_address.split(":")
         n = 24
-        for i in range(n):  # 24 loads in flight: nothing is parked for them, so each waits at the producer
-            ctx = ReqContext(req_id=f"d{i}", kv_transfer_params={"remote_prefiller": {
-                "kv_request_id": f"kv-pending-{i}", "remote_host": host, "remote_port": int(port)}})
-            with decode.lock:
-                decode.mgr.on_new_request(ctx)
-            decode.lookup(ctx, [1000 + i])
-            decode.step([ctx.req_id])
-        run_until([decode], lambda: len(decode.tier._jobs) == n and not decode.tier._outbox, timeout_s=10)
+        loads_in_flight(decode, host, port, n, "kv-pending", 1000)
         old = decode.tier._client.proc
         t0 = time.monotonic()
         os.kill(old.pid, signal.SIGKILL)
@@ -41,15 +59,7 @@ def test_worker_sigkill_under_load_fails_every_job_once_within_1s(free_port, fig
         assert took <= 1.0, f"in-flight jobs reported failed {took:.2f} s after the worker died"
         run_until([decode], lambda: decode.tier._ready, timeout_s=30)
         assert decode.tier._client.proc.pid != old.pid
-        prefill.store("p-after", [7], {"remote_decoder": {"kv_request_id": "kv-after"}})
-        ctx = ReqContext(req_id="d-after", kv_transfer_params={"remote_prefiller": {
-            "kv_request_id": "kv-after", "remote_host": host, "remote_port": int(port)}})
-        with decode.lock:
-            decode.mgr.on_new_request(ctx)
-        decode.lookup(ctx, [7])
-        decode.step(["d-after"])
-        run_until([decode, prefill], lambda: decode.idle() and prefill.idle(), timeout_s=30)
-        assert decode.lookup(ctx, [7]) == [LookupResult.HIT]
+        assert served_after_restart(prefill, decode, host, port, "kv-after")
         figure(figures, f"worker SIGKILL with {n} loads in flight: all reported failed once", f"{took * 1e3:.0f} ms",
                "≤ 1 s")
     finally:
@@ -69,14 +79,7 @@ def test_worker_sigstopped_under_the_adapter_fails_jobs_and_recovers(free_port, 
     try:
         host, port = prefill.tier.worker_address.split(":")
         n = 8
-        for i in range(n):  # loads in flight: nothing is parked for them, so each waits at the producer
-            ctx = ReqContext(req_id=f"d{i}", kv_transfer_params={"remote_prefiller": {
-                "kv_request_id": f"kv-wedged-{i}", "remote_host": host, "remote_port": int(port)}})
-            with decode.lock:
-                decode.mgr.on_new_request(ctx)
-            decode.lookup(ctx, [2000 + i])
-            decode.step([ctx.req_id])
-        run_until([decode], lambda: len(decode.tier._jobs) == n and not decode.tier._outbox, timeout_s=10)
+        loads_in_flight(decode, host, port, n, "kv-wedged", 2000)
         old = decode.tier._client.proc
         t0 = time.monotonic()
         os.kill(old.pid, signal.SIGSTOP)
@@ -86,15 +89,7 @@ def test_worker_sigstopped_under_the_adapter_fails_jobs_and_recovers(free_port, 
         assert decode.tier.counters()["loads_failed"] == n
         assert took <= stall_s + 1.5, f"jobs of a wedged worker reported failed after {took:.2f} s"
         run_until([decode], lambda: decode.tier._ready, timeout_s=30)
-        prefill.store("p-after", [7], {"remote_decoder": {"kv_request_id": "kv-after-wedge"}})
-        ctx = ReqContext(req_id="d-after", kv_transfer_params={"remote_prefiller": {
-            "kv_request_id": "kv-after-wedge", "remote_host": host, "remote_port": int(port)}})
-        with decode.lock:
-            decode.mgr.on_new_request(ctx)
-        decode.lookup(ctx, [7])
-        decode.step(["d-after"])
-        run_until([decode, prefill], lambda: decode.idle() and prefill.idle(), timeout_s=30)
-        assert decode.lookup(ctx, [7]) == [LookupResult.HIT]
+        assert served_after_restart(prefill, decode, host, port, "kv-after-wedge")
         figure(figures, f"worker SIGSTOP under the adapter ({n} loads in flight): failed once, after the kill",
                f"{took:.2f} s", f"≤ worker_stall_s {stall_s:g} s + slack")
     finally:
