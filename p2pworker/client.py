@@ -6,6 +6,7 @@ thread calls); the ``wait_*`` helpers are for tools, tests and start-up.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -17,6 +18,8 @@ from typing import Callable
 from p2pworker import api
 from p2pworker.errors import P2PError, PeerDead
 from p2pworker.shm import RegionHandle, Ring, Role
+
+log = logging.getLogger(__name__)
 
 
 class WorkerClient:
@@ -88,8 +91,9 @@ class WorkerClient:
         if pid > 0:
             try:
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            except OSError as e:  # gone already, or not ours to kill (an operator's worker run as another user)
+                if not isinstance(e, ProcessLookupError):
+                    log.error("cannot kill wedged worker pid %d: %s", pid, e)
 
     def alive(self) -> bool:
         """False only once the worker is really gone.  A spawned worker: reaped (waitpid), so no thread of it

@@ -18,13 +18,13 @@ signal exits at once with status 1.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import ipaddress
 import logging
 import math
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -68,7 +68,9 @@ CORRUPT_ENV = "P2PWORKER_TEST_CORRUPT_LOADS"  # test-only: see Worker._scramble
 LIVENESS_CHECK_S = 0.25
 RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
 RECONNECT_MAX_S = 5.0
-RESOLVE_TTL_S = 30.0  # how long a resolved peer address is reused
+RETRY_FORGET_S = 60.0
+RESOLVE_TTL_S = 30.0  # how long a host name that resolved is trusted to resolve again (libzmq does the real lookup)
+RESOLVE_TIMEOUT_S = 5.0  # commands parked behind a slower lookup fail (bounded wait, invariant 4)
 PARKED = "parked until the peer's host name is resolved"
 FAILED_LOG_PER_S = 10
 
@@ -114,12 +116,12 @@ class Worker:
         self._tids: dict[tuple[Session, int], int] = {}  # (session, read id) -> data transfer id
         self._retry: dict[str, tuple[float, float, str]] = {}  # address -> (not before, next backoff, why)
         self._failed_log = [0.0, 0]  # [second started, failed jobs in it]
+        self._link_addr: dict[str, str] = {}  # outbound link id -> the address key it was opened for
         self._was_up: set[str] = set()  # outbound links that were up once (a reconnect is not a first contact)
         # Name resolution runs off the event loop (a slow resolver must not stall heartbeats): address -> the
         # lookup in flight and the commands waiting for it.
-        self._resolver = None
-        self._resolving: dict[str, tuple[Any, list]] = {}
-        self._resolved_at: dict[str, tuple[str, float]] = {}  # address -> (ip:port address, when)
+        self._resolving: dict[str, tuple[_Lookup, list]] = {}
+        self._resolved_at: dict[str, float] = {}  # address -> when its host name last resolved
         self.pending: collections.deque = collections.deque()  # events the full event ring could not take
         self.stopping = False
         self.stop_reason = ""
@@ -255,6 +257,8 @@ class Worker:
     def _in_flight(self) -> bool:
         if self.data is not None and self.data.in_flight():
             return True
+        if self._resolving:  # commands parked behind a name lookup are not reported yet
+            return True
         return bool(self._settling) or any(s.open_loads or s.leases for s in self.sessions.values())
 
     def _sleep(self, busy: bool) -> None:
@@ -356,6 +360,7 @@ class Worker:
                     self._retry.pop(_addr_key(cmd.address), None)  # asked for, not a failure: no backoff
                 elif link is not None:
                     self.out_links.pop(_addr_key(cmd.address), None)
+                    self._link_addr.pop(link, None)
                     self._was_up.discard(link)
                     self.ctl.disconnect(link)
             case api.AttachRegion():
@@ -425,6 +430,7 @@ class Worker:
                 # command opens a fresh link (the peer may have been fixed and restarted meanwhile).
                 why = lk.reason if lk is not None else "link gone"
                 self.out_links.pop(key, None)
+                self._link_addr.pop(link, None)
                 self._was_up.discard(link)
                 self.ctl.disconnect(link)
                 s = self.sessions.get(link)
@@ -445,58 +451,65 @@ class Worker:
             if target is None:
                 return None, PARKED
             try:
-                link = self.ctl.connect(target)
+                link = self.ctl.connect(target, resolve=False)
             except P2PError as e:
                 log.warning("cannot connect to %s: %s", address, e)
                 self._backoff(key, f"unreachable: {e}")
                 return None, f"peer {address} unreachable: {e}"
             self.out_links[key] = link
+            self._link_addr[link] = key
         s = self.sessions.get(link)
         if s is None:
             s = self.sessions[link] = self._new_session(link, None)
         return s, ""
 
     def _backoff(self, key: str, why: str) -> None:
+        """No new link to ``key`` before a delay that doubles per failure (up to RECONNECT_MAX_S), starting afresh
+        once the address has not failed for RETRY_FORGET_S.  Not reset by a handshake: a peer that accepts and
+        then breaks every session would otherwise be redialled every RECONNECT_MIN_S."""
+        now = self.clock()
+        for k in [k for k, (at, _, _) in self._retry.items() if now - at > RETRY_FORGET_S]:
+            del self._retry[k]  # bounded: entries of addresses that stopped failing go
         _, backoff, _ = self._retry.get(key, (0.0, RECONNECT_MIN_S, ""))
-        self._retry[key] = (self.clock() + backoff, min(2 * backoff, RECONNECT_MAX_S), why)
+        self._retry[key] = (now + backoff, min(2 * backoff, RECONNECT_MAX_S), why)
 
     def _resolve(self, key: str, cmd: Any) -> str | None:
-        """``host:port`` with the host as an IP literal, or None while a lookup runs on the resolver thread."""
+        """``key`` once its host is known to resolve (an IP literal, or a name a helper thread resolved within
+        RESOLVE_TTL_S), else None: ``cmd`` waits for the lookup (at most RESOLVE_TIMEOUT_S).  The link is then
+        opened with the NAME: libzmq resolves it in its own thread on every reconnect, so a peer that comes
+        back at a new address is found, and the address family is libzmq's choice, not our first answer."""
         host, _, port = key.rpartition(":")
         bare = host.strip("[]")
         try:
             ipaddress.ip_address(bare)
-            return key  # a literal: getaddrinfo would not touch the network
+            return key  # a literal: nothing to look up
         except ValueError:
             pass
         cached = self._resolved_at.get(key)
-        if cached is not None and self.clock() - cached[1] < RESOLVE_TTL_S:
-            return cached[0]
+        if cached is not None and self.clock() - cached < RESOLVE_TTL_S:
+            return key
         if key in self._resolving:
             self._resolving[key][1].append(cmd)
             return None
-        if self._resolver is None:
-            self._resolver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2pworker-resolve")
-        fut = self._resolver.submit(socket.getaddrinfo, bare, int(port) if port.isdigit() else 0,
-                                    type=socket.SOCK_STREAM)
-        self._resolving[key] = (fut, [cmd])
+        self._resolving[key] = (_Lookup(bare, port, self.clock()), [cmd])
         return None
 
     def _resolved(self) -> bool:
-        """Run the commands whose peer's name is now resolved (or fail them with the resolver's error)."""
+        """Run the commands whose peer's name resolved (or fail them with the resolver's error or its time-out)."""
         did = False
-        for key, (fut, cmds) in list(self._resolving.items()):
-            if not fut.done():
+        now = self.clock()
+        for key, (lookup, cmds) in list(self._resolving.items()):
+            if lookup.done.is_set():
+                if lookup.error is None:
+                    self._resolved_at[key] = now
+                else:
+                    self._backoff(key, f"cannot resolve it: {lookup.error}")
+            elif now - lookup.started >= RESOLVE_TIMEOUT_S:
+                self._backoff(key, f"resolving its host name took more than {RESOLVE_TIMEOUT_S:g} s")
+            else:
                 continue
             did = True
             del self._resolving[key]
-            try:
-                info = fut.result()
-                ip = info[0][4][0]
-                self._resolved_at[key] = (f"[{ip}]:{key.rpartition(':')[2]}" if ":" in ip else
-                                          f"{ip}:{key.rpartition(':')[2]}", self.clock())
-            except (OSError, IndexError, ValueError) as e:
-                self._backoff(key, f"cannot resolve it: {e}")
             for cmd in cmds:
                 if cmd is not None:
                     self._handle(cmd)  # resolved: proceeds; failed: the backoff entry fails it with the reason
@@ -553,10 +566,6 @@ class Worker:
                         self.data.cancel(tids)
         if s.state is State.CLOSED:
             self._retire(s)
-        elif link is not None and s.state is State.ACTIVE and link.startswith("out-") and self._retry:
-            lk = self.ctl.link(link)
-            if lk is not None:
-                self._retry.pop(_addr_key(lk.address), None)  # a working session: the next failure starts afresh
 
     def _retire(self, s: Session) -> None:
         """Forget a closed session's link; keep the session until its cancelled reads settled."""
@@ -564,17 +573,16 @@ class Worker:
         if link is not None and self.sessions.get(link) is s:
             del self.sessions[link]
             out = link.startswith("out-")
-            lk = self.ctl.link(link) if self.ctl is not None else None
-            if out and lk is not None and lk.address:
-                key = _addr_key(lk.address)
+            key = self._link_addr.get(link)  # the address as the adapter gave it (a name stays a name)
+            if out and key is not None:
                 if self.out_links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
                     # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                     # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                     del self.out_links[key]
+                    del self._link_addr[link]
                     self._was_up.discard(link)
                     self.ctl.disconnect(link)
-                    _, backoff, _ = self._retry.get(key, (0.0, RECONNECT_MIN_S, ""))
-                    self._retry[key] = (self.clock() + backoff, min(2 * backoff, RECONNECT_MAX_S), s.close_reason)
+                    self._backoff(key, s.close_reason)
             elif not out and self.ctl is not None and not s.quiet_close:
                 # Hang up: the peer's session may still think it is ACTIVE (we may not have been able to send
                 # Bye); without the link it notices now instead of sending into a session that ignores it.
@@ -726,8 +734,6 @@ class Worker:
             elif isinstance(cmd, api.LookupKeys):
                 self.reporter.open_lookup(cmd.lookup_id)
                 self.reporter.lookup_done(cmd.lookup_id, None, reason)
-        if self._resolver is not None:
-            self._resolver.shutdown(wait=False, cancel_futures=True)
         while True:
             try:
                 cmd = self.cmd.try_get()
@@ -772,6 +778,25 @@ class Worker:
             "control": dict(self.ctl.counters) if self.ctl else {},
             "counters": dict(self.counters),
         }
+
+
+class _Lookup:
+    """One getaddrinfo on its own daemon thread (lookups do not queue behind each other, and a lookup that
+    hangs does not keep the process alive at exit)."""
+
+    def __init__(self, host: str, port: str, started: float):
+        self.started = started
+        self.error: str | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(host, port), daemon=True, name="p2pworker-resolve").start()
+
+    def _run(self, host: str, port: str) -> None:
+        try:
+            socket.getaddrinfo(host, int(port) if port.isdigit() else 0, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as e:
+            self.error = str(e)
+        finally:
+            self.done.set()
 
 
 def _addr_key(address: str) -> str:

@@ -191,11 +191,13 @@ class P2PWorkerTier(SecondaryTierManager):
         deadline = time.monotonic() + start_timeout_s
         while not self._ready:  # start-up only: the engine is not serving yet
             self._pump()
-            if self._fatal is not None or self._attach_error is not None:
-                # at start-up every attach failure is the cause vLLM should print, now, not after 120 s
-                raise P2PError(f"p2pworker for {self._name} cannot start: {self._fatal or self._attach_error}")
-            if self._client is None or time.monotonic() > deadline:
-                raise P2PError(f"p2pworker for {self._name} did not become ready within {start_timeout_s} s")
+            if self._fatal is not None:  # a configuration error: say it now, not after start_timeout_s
+                raise P2PError(f"p2pworker for {self._name} cannot start: {self._fatal}")
+            if time.monotonic() > deadline:
+                # other attach errors may heal (a port still held by a predecessor): retried until here
+                last = f"; last error: {self._attach_error}" if self._attach_error else ""
+                self.shutdown()  # no orphan worker left behind by a failed engine start
+                raise P2PError(f"p2pworker for {self._name} did not become ready within {start_timeout_s} s{last}")
             time.sleep(0.01)
         log.info("P2PWorkerTier: worker %s ready at %s (data %s, fingerprint %s)", self._name,
                  self._client.ready.address, self._client.ready.backend, self._client.ready.fingerprint)

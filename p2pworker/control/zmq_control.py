@@ -147,13 +147,15 @@ class Link:
     reason: str = ""
 
 
-def _normalize(address: str) -> tuple[str, str, int]:
+def _normalize(address: str, resolve: bool = True) -> tuple[str, str, int]:
     addr = address[len("tcp://") :] if address.startswith("tcp://") else address
     host, sep, port_s = addr.rpartition(":")
     if not sep or not host or not port_s.isdigit():
         raise PeerUnreachable(f"bad control address {address!r}: expected host:port")
     host = host.strip("[]")
     port = int(port_s)
+    if not resolve:  # the caller checked the name off its loop; libzmq resolves it again on each (re)connect
+        return f"tcp://{host}:{port}", host, port
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -225,9 +227,11 @@ class ZmqControl(ControlTransport):
         return hmac.new(self._secret, msg, hashlib.sha256).digest()
 
     # ------------------------------------------------------------ public API
-    def connect(self, address: str) -> str:
+    def connect(self, address: str, *, resolve: bool = True) -> str:
+        """``resolve=False``: do not call getaddrinfo here (an event loop that must not block passes a name it
+        checked elsewhere; libzmq resolves it in its own I/O thread, again on every reconnect)."""
         self._check_open()
-        endpoint, _, _ = _normalize(address)
+        endpoint, _, _ = _normalize(address, resolve)
         self._seq += 1
         link = Link(f"out-{self._seq}", True, endpoint, LinkState.CONNECTING, backoff_s=self.config.reconnect_min_s)
         self._links[link.link_id] = link
