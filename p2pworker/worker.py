@@ -235,8 +235,8 @@ class Worker:
         self._run(self._link_of(s), s, s.on_read_result(rid, ok, reason))
 
     def _link_of(self, s: Session) -> str | None:
-        link = getattr(s, "link", None)
-        return link if link is not None and self.sessions.get(link) is s else None
+        """The link ``s`` may still send on: None once a newer session (or none) owns it."""
+        return s.link if self.sessions.get(s.link) is s else None
 
     def _needs_polling(self) -> bool:
         """Sleep short (busy_poll_s) only while our own posted reads are in flight (NIXL progress and
@@ -516,9 +516,7 @@ class Worker:
         return did
 
     def _new_session(self, link: str, peer: str | None) -> Session:
-        s = Session(self.ctx, expected_peer_id=peer)
-        s.link = link
-        return s
+        return Session(self.ctx, expected_peer_id=peer, link=link)
 
     def _pump(self, p, new_keys: list[bytes] | None = None) -> None:
         """The parking lot has news for the session serving ``p``'s lease (new stores, request finished)."""
@@ -550,8 +548,7 @@ class Worker:
                         todo.clear()  # not the HelloAck, not the queued messages
                         todo.extend(s.close(f"data plane refused the peer: {e}", bye=True))
                 case RemoveDataPeer():
-                    if getattr(s, "link", None) is not None:
-                        self.data.remove_peer(s.link)
+                    self.data.remove_peer(s.link)
                 case PostRead(read_id=rid, local_rows=local, remote_rows=remote):
                     try:
                         tid = self.data.read_blocks(s.link, local, remote)
@@ -569,9 +566,11 @@ class Worker:
 
     def _retire(self, s: Session) -> None:
         """Forget a closed session's link; keep the session until its cancelled reads settled."""
-        link = getattr(s, "link", None)
-        if link is not None and self.sessions.get(link) is s:
+        link = s.link
+        forgotten = False  # removed from one of our collections by this call (counters are folded once)
+        if self.sessions.get(link) is s:
             del self.sessions[link]
+            forgotten = True
             out = link.startswith("out-")
             key = self._link_addr.get(link)  # the address as the adapter gave it (a name stays a name)
             if out and key is not None:
@@ -590,8 +589,8 @@ class Worker:
         if s.settled:
             if s in self._settling:
                 self._settling.remove(s)
-            if not getattr(s, "counted", False):  # its counters live on in the worker's (status, metrics)
-                s.counted = True
+                forgotten = True
+            if forgotten:  # its counters live on in the worker's (status, metrics)
                 for name in ("late_reads", "late_offers", "stale_releases", "unsettled_reads", "protocol_errors"):
                     self.counters[f"sessions_{name}"] += s.counters[name]
         elif s not in self._settling:
@@ -671,7 +670,10 @@ class Worker:
                      len(ev.keys), ev.reason)
 
     def _scramble(self, ev: JobDone) -> None:
-        """Test-only: rotate every row this load wrote (valid values in the wrong places)."""
+        """Test-only: rotate every row this load wrote (valid values in the wrong places).
+
+        Row writes (invariant 7): our own rows, by this process, BEFORE the JobFinished event is queued for the
+        adapter (it runs from _flush_events ahead of the event), so never after the job was reported."""
         rows_of = self._corrupt.pop(ev.job_id, {})
         if self.region is None:
             return

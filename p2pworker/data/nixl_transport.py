@@ -141,7 +141,10 @@ class NixlTransport(PieceTransport):
         remote = local.copy()
         remote[:, 0] = t.peer.base_address + piece[:, 1] * bb
         agent = self._agent
-        # READ: the peer's rows (remote) into ours (local); nothing ever writes into a peer.
+        # Row writes (invariant 7): this READ writes OUR rows (local), copied by THIS process (UCX cma/TCP in our
+        # worker); nothing ever writes into a peer.  Can a byte land after its job was reported?  No: the transfer
+        # is reported only once no piece is posted (PieceTransport._settle), and the session reports the load only
+        # after every transfer it posted was reported; a posted read that never settles makes the worker exit.
         handle = agent.initialize_xfer(
             "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), t.peer.remote.name
         )

@@ -212,6 +212,9 @@ class ZmqTransport(PieceTransport):
                 f"or a frame whose length is not its run's rows x {bb} bytes"
             )
             return
+        # Row writes (invariant 7): this process copies a reply into its OWN rows, only for a piece still open
+        # (cancel/time-out closes it first, and a closed piece's reply is dropped above), so nothing lands after
+        # the transfer, and hence the load covering these rows, was reported.
         for (start, n), f in zip(op.local_runs, data):
             self._buf[start * bb : (start + n) * bb] = f.buffer
             self.received_bytes += n * bb

@@ -20,7 +20,9 @@ from p2pworker.errors import RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
 
 PROTOCOL_VERSION = 2  # 2: consumer pull (Fetch/Offer/Release) replaced producer push
-MAX_KEYS = 8192  # keys (blocks) in one fetch, lookup or completion
+# Invariant 8 is NOT met yet (issue 13): a valid vLLM job can exceed these ceilings (a 1M-token prompt is 65,536
+# chunks of 16 tokens), and it then fails cleanly (the session refuses the load; the peer's decoder refuses a frame).
+MAX_KEYS = 8192  # keys (blocks) in one fetch, offer, release or lookup
 MAX_ID_CHARS = 256
 MAX_KEY_BYTES = 128
 MAX_FRAME_BYTES = 4 << 20

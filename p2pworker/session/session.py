@@ -194,8 +194,9 @@ class _Load:
 
 
 class Session:
-    def __init__(self, ctx: SessionContext, *, expected_peer_id: str | None = None):
+    def __init__(self, ctx: SessionContext, *, expected_peer_id: str | None = None, link: str = ""):
         self.ctx = ctx
+        self.link = link  # the control link this session lives on (the host's key for its data peer too)
         self.expected_peer_id = expected_peer_id
         self.peer_id = expected_peer_id or ""
         self.peer_info: PeerDataInfo | None = None

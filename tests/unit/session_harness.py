@@ -115,8 +115,7 @@ class Side:
 
     def new_session(self, expected_peer_id=None, link: str = "link") -> Session:
         self.outbox = []
-        self.session = Session(self.ctx, expected_peer_id=expected_peer_id)
-        self.session.link = link
+        self.session = Session(self.ctx, expected_peer_id=expected_peer_id, link=link)
         return self.session
 
     # -------------------------------------------------------- the worker's part
