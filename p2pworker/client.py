@@ -63,10 +63,20 @@ class WorkerClient:
 
     # ------------------------------------------------------------ never blocking
     def send(self, cmd: api.Command) -> bool:
-        """Queue a command; False when the command ring is full (the caller retries or fails the job)."""
+        """Queue a command; False when the command ring is full (the caller retries or fails the job).
+
+        A command larger than one slot is taken once its first slot is out; :meth:`flush` (also run by every
+        ``send``) publishes the rest.  Raises ``MessageTooLarge`` past ``limits.RING_MAX_MESSAGE_BYTES``."""
         return self.cmd.try_put(cmd)
 
+    def flush(self) -> bool:
+        """Publish what fits of a command that spans slots; True when nothing is left.  Never blocks."""
+        return self.cmd.flush()
+
     def poll(self) -> list[api.Event]:
+        """Events so far (never blocks); also publishes what fits of a command that spans slots."""
+        if self.cmd.pending_bytes:
+            self.cmd.flush()
         out, self.backlog = self.backlog, []
         while True:
             ev = self.evt.try_get()

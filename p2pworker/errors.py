@@ -20,12 +20,12 @@ class RingError(P2PError):
 
 
 class MessageTooLarge(RingError, ValueError):
-    """A message does not fit in one ring slot."""
+    """A message exceeds a ring's hard limit (``max_message_bytes``; messages may span slots up to it)."""
 
     def __init__(self, nbytes: int, capacity: int, ring: str):
         super().__init__(
-            f"message of {nbytes} bytes does not fit in a slot of ring {ring!r} "
-            f"(capacity {capacity} bytes); raise slot_bytes or split the message"
+            f"message of {nbytes} bytes exceeds the hard limit of ring {ring!r} "
+            f"(max_message_bytes={capacity}; p2pworker.limits documents it)"
         )
         self.nbytes = nbytes
         self.capacity = capacity

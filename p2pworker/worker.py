@@ -38,7 +38,7 @@ from p2pworker.config import WorkerConfig
 from p2pworker.control import LinkDown, LinkUp, Received, ZmqControl
 from p2pworker.control.zmq_control import LinkState
 from p2pworker.data import make_data_transport
-from p2pworker.errors import AuthError, DataPlaneUnavailable, P2PError, TransferFailed
+from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, TransferFailed
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol.messages import PROTOCOL_VERSION, encode
 from p2pworker.session import (
@@ -134,7 +134,7 @@ class Worker:
         self._heartbeats = 0
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
-        self._poll_socks: tuple = ()
+        self._poll_socks: int | None = None  # the control sockets_epoch the poller was built for
         # Test-only negative control (tests/e2e): scramble every row a load writes, so a test can show
         # that wrong KV changes vLLM's output.  Never set in production; loudly logged when set.
         self._corrupt: dict[int, dict[bytes, int]] | None = None
@@ -214,7 +214,8 @@ class Worker:
                 self.stop(f"the adapter is gone (command ring producer {status})")
         self._flush_events()
         self.admin.serve()
-        return did or self._needs_polling() or bool(self.pending)
+        # pending events, or one that spans slots and is partly out: the adapter frees slots as it polls
+        return did or self._needs_polling() or bool(self.pending) or self.evt.pending_bytes > 0
 
     def _poll_data(self) -> bool:
         """Hand settled reads back to the sessions that posted them."""
@@ -270,12 +271,12 @@ class Worker:
             timeout_s = max(0.0, min(self.cfg.idle_poll_s, self._next_tick - self.clock()))
             if self.ctx is not None and self.ctx.lot.leases:
                 timeout_s = min(timeout_s, self.cfg.passive_poll_s)
-        socks = (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ()))
-        if socks != self._poll_socks:  # links come and go: rebuild only then, not on every sleep
+        epoch = self.ctl.sockets_epoch if self.ctl is not None else -1
+        if epoch != self._poll_socks:  # links come and go: rebuild only then (not O(links) on every sleep)
             self._poller = zmq.Poller()
-            for sock in socks:
+            for sock in (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ())):
                 self._poller.register(sock, zmq.POLLIN)
-            self._poll_socks = socks
+            self._poll_socks = epoch
         if self.cmd.arm():
             return
         try:
@@ -647,7 +648,11 @@ class Worker:
                 self._scramble(ev)
             self.pending.append(_to_api(ev))
         while self.pending:
-            if not self.evt.try_put(self.pending[0]):
+            try:
+                taken = self.evt.try_put(self.pending[0])
+            except MessageTooLarge as e:  # cannot happen below limits.MAX_JOB_KEYS; a job is still reported
+                taken = self.evt.try_put(_too_large(self.pending[0], e))
+            if not taken:
                 self.counters["event_ring_full"] += 1
                 return
             ev = self.pending.popleft()
@@ -803,6 +808,16 @@ class _Lookup:
 
 def _addr_key(address: str) -> str:
     return address[len("tcp://"):] if address.startswith("tcp://") else address
+
+
+def _too_large(ev: api.Event, e: Exception) -> api.Event:
+    """What to report instead of an event the event ring refused: the job still ends once, as a failure."""
+    log.error("%s event too large for the event ring: %s", type(ev).__name__, e)
+    if isinstance(ev, api.JobFinished):
+        return api.JobFinished(ev.job_id, ev.kind, False, [], 0, ev.seconds, f"report too large: {e}")
+    if isinstance(ev, api.LookupResult):
+        return api.LookupResult(ev.lookup_id, None, f"answer too large: {e}")
+    return api.WorkerError(f"{type(ev).__name__} dropped: {e}")
 
 
 def _to_api(ev) -> api.Event:

@@ -68,7 +68,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from p2pworker import api
 from p2pworker.client import WorkerClient
 from p2pworker.control.base import HOST_ENV, default_port
-from p2pworker.errors import P2PError
+from p2pworker.errors import MessageTooLarge, P2PError
 from p2pworker.shm.maps import handle_for_range
 
 log = logging.getLogger("vllm_adapter.tier")
@@ -163,9 +163,10 @@ class P2PWorkerTier(SecondaryTierManager):
         self._jobs: dict[int, tuple[str, list[bytes], str, float]] = {}  # job -> (kind, keys, kv_request_id, t0)
         self._results: list[JobResult] = []
         self._failed_req_ids: set[str] = set()
-        self._answers: dict[tuple[str, bytes], bool] = {}  # symmetric: (kv_request_id, key) -> peer holds it
+        # symmetric, per kv_request_id (so a finished request is forgotten in time linear in its own keys):
+        self._answers: dict[str, dict[bytes, bool]] = {}  # key -> the peer holds it
+        self._asked: dict[str, set[bytes]] = {}  # keys asked, no answer yet (present while the request lives)
         self._asking: dict[tuple[str, str], list[bytes]] = {}  # (address, kv_request_id) -> keys to ask
-        self._asked: set[tuple[str, bytes]] = set()  # (kv_request_id, key) asked, no answer yet
         self._lookups: dict[int, tuple[str, list[bytes]]] = {}  # lookup id -> (kv_request_id, keys)
         self._next_lookup = 1
         self._to_serve: list[api.PeerLookup] = []
@@ -313,20 +314,28 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._killing_since = now
                 client.kill()
         self._flush()
-        for (address, rid), keys in list(self._asking.items()):  # one batched lookup per request and peer
-            lookup_id = self._next_lookup
-            if self._ready and client.send(api.LookupKeys(lookup_id, address, rid, keys)):
+        for (address, rid), asking in list(self._asking.items()):  # one batched lookup per request and peer
+            del self._asking[(address, rid)]
+            for i in range(0, len(asking), api.MAX_JOB_KEYS):  # more than the hard limit: several lookups
+                keys = asking[i:i + api.MAX_JOB_KEYS]
+                lookup_id = self._next_lookup
                 self._next_lookup += 1
                 self._lookups[lookup_id] = (rid, keys)
-            else:
-                self._answer(rid, keys, None)
-            del self._asking[(address, rid)]
+                if not self._send(api.LookupKeys(lookup_id, address, rid, keys)):
+                    del self._lookups[lookup_id]
+                    self._answer(rid, keys, None)
+        self._flush()
 
     def _answer(self, rid: str, keys: list[bytes], present: list[bool] | None) -> None:
-        """Record a peer's answer (None: it could not answer, so MISS)."""
+        """Record a peer's answer (None: it could not answer, so MISS).  Late answers for a finished request
+        are dropped (nothing would ever forget them)."""
+        asked = self._asked.get(rid)
+        if asked is None:
+            return
+        answers = self._answers.setdefault(rid, {})
         for k, p in zip(keys, present if present is not None else [False] * len(keys)):
-            self._answers[(rid, k)] = bool(p)
-            self._asked.discard((rid, k))
+            answers[k] = bool(p)
+            asked.discard(k)
 
     def _finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
         kind, job_keys, rid, _t0 = self._jobs.pop(job_id)
@@ -358,10 +367,24 @@ class P2PWorkerTier(SecondaryTierManager):
             return
         sent = 0
         for cmd in box:
-            if not client.send(cmd):  # ring full: the rest waits for the next flush, in order
+            try:
+                taken = client.send(cmd)  # a command larger than a slot: taken once its first slot is out
+            except MessageTooLarge as e:  # past limits.RING_MAX_MESSAGE_BYTES: fail it, never raise into vLLM
+                self._refuse(cmd, str(e))
+                taken = True
+            if not taken:  # ring full (or a long command still going out): the rest waits, in order
                 break
             sent += 1
         del box[:sent]
+
+    def _refuse(self, cmd: api.Command, why: str) -> None:
+        """A command the ring cannot carry: its job or lookup ends now, through the normal failure path."""
+        log.error("p2pworker %s: %s refused: %s", self._name, type(cmd).__name__, why)
+        if isinstance(cmd, (api.StoreJob, api.LoadJob)) and cmd.job_id in self._jobs:
+            self._finish(cmd.job_id, False, None, 0.0, None, why)
+        elif isinstance(cmd, api.LookupKeys) and cmd.lookup_id in self._lookups:
+            rid, keys = self._lookups.pop(cmd.lookup_id)
+            self._answer(rid, keys, None)
 
     def on_schedule_end(self, context) -> None:
         if time.monotonic() - self._off_thread_poll_at > POLL_THREAD_GONE_S:
@@ -388,12 +411,16 @@ class P2PWorkerTier(SecondaryTierManager):
             return LookupResult.MISS
         if role.kind == "consumer":
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
-        k = (role.kv_request_id, bytes(key))
-        answer = self._answers.get(k)
+        rid, k = role.kv_request_id, bytes(key)
+        answers = self._answers.get(rid)
+        answer = answers.get(k) if answers is not None else None
         if answer is None:
-            if k not in self._asked:
-                self._asked.add(k)
-                self._asking.setdefault((role.address, role.kv_request_id), []).append(k[1])
+            asked = self._asked.get(rid)
+            if asked is None:
+                asked = self._asked[rid] = set()
+            if k not in asked:
+                asked.add(k)
+                self._asking.setdefault((role.address, rid), []).append(k)
             return LookupResult.RETRY  # asked (batched at the next poll); HIT or MISS once the peer answers
         return LookupResult.HIT if answer else LookupResult.MISS
 
@@ -405,14 +432,18 @@ class P2PWorkerTier(SecondaryTierManager):
             return
         keys = list(job.keys)  # OffloadKey is bytes
         self._jobs[job.job_id] = ("store", keys, role.kv_request_id, now)
-        if not self._send(api.StoreJob(job.job_id, role.kv_request_id, keys, _rows(job.chunk_ids))):
+        if len(keys) > api.MAX_JOB_KEYS:
+            self._finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
+        elif not self._send(api.StoreJob(job.job_id, role.kv_request_id, keys, _rows(job.chunk_ids))):
             self._finish(job.job_id, False, None, 0.0, None, "worker not ready or command ring full")
 
     def submit_load(self, job: TransferJob) -> None:
         role = self._role(job.req_context)
         keys = list(job.keys)  # OffloadKey is bytes
         self._jobs[job.job_id] = ("load", keys, role.kv_request_id, time.monotonic())
-        if role.kind not in ("consumer", "symmetric") or not self._send(
+        if len(keys) > api.MAX_JOB_KEYS:
+            self._finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
+        elif role.kind not in ("consumer", "symmetric") or not self._send(
             api.LoadJob(job.job_id, role.address, role.kv_request_id, keys, _rows(job.chunk_ids))
         ):
             self._finish(job.job_id, False, None, 0.0, None, "not a PD consumer, or worker not ready")
@@ -441,9 +472,8 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._recent_finished.popitem(last=False)
             self._send(api.RequestFinished(role.kv_request_id))  # not ready: replayed when the worker is
         elif role.kind == "symmetric":
-            for k in [k for k in self._answers if k[0] == role.kv_request_id]:
-                del self._answers[k]
-            self._asked = {k for k in self._asked if k[0] != role.kv_request_id}
+            self._answers.pop(role.kv_request_id, None)
+            self._asked.pop(role.kv_request_id, None)
         self._failed_req_ids.discard(role.kv_request_id)
 
     def serve_external_requests(self, parent) -> None:
@@ -518,6 +548,11 @@ class P2PWorkerTier(SecondaryTierManager):
         if self._client is None or self._client.ready is None:
             return None
         return self._client.ready.address.removeprefix("tcp://")
+
+
+def _too_many(n: int) -> str:
+    return (f"job of {n} keys exceeds p2pworker's hard limit of {api.MAX_JOB_KEYS} keys per job "
+            f"(p2pworker.limits.MAX_JOB_KEYS)")
 
 
 def _rows(chunk_ids) -> list[int]:

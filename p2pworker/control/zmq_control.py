@@ -203,6 +203,8 @@ class ZmqControl(ControlTransport):
         self.address = r.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(r, zmq.POLLIN)
+        self._by_sock: dict[zmq.Socket, Link] = {}  # dealer socket -> its outbound link
+        self.sockets_epoch = 0  # bumped whenever sockets() changes: an outer poll loop rebuilds only then
         self._links: dict[str, Link] = {}
         self._inbound: dict[bytes, Link] = {}
         self._events: list = []
@@ -285,29 +287,27 @@ class ZmqControl(ControlTransport):
         if self._closed:
             return _EMPTY
         clock = self._clock
+        wait_ms = 0
         if timeout_ms > 0:
             wait_ms = max(0, min(timeout_ms, int((self._next_tick - clock()) * 1000) + 1))
-            self._poller.poll(wait_ms)
-        elif clock() < self._next_tick and not self._readable():
+        # One zmq_poll over every socket (C, level-triggered), then Python work only for the readable ones: an
+        # idle link costs nothing per loop turn (invariant 8: per-loop work independent of idle links).
+        ready = self._poller.poll(wait_ms)
+        if not ready and clock() < self._next_tick:
             return _EMPTY
-        self._drain_router()
-        for link in list(self._links.values()):
-            if link.sock is not None:
-                self._drain_dealer(link)
+        for sock, _ in ready:
+            if sock is self._router:
+                self._drain_router()
+            else:
+                link = self._by_sock.get(sock)
+                if link is not None and link.sock is sock:
+                    self._drain_dealer(link)
         if clock() >= self._next_tick:
             self._tick()
         if not self._events:
             return _EMPTY
         out, self._events = self._events, []
         return out
-
-    def _readable(self) -> bool:
-        if self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            return True
-        for link in self._links.values():
-            if link.sock is not None and link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return True
-        return False
 
     def close(self) -> None:
         if self._closed:
@@ -369,6 +369,8 @@ class ZmqControl(ControlTransport):
         sock.connect(link.address)
         link.sock = sock
         self._poller.register(sock, zmq.POLLIN)
+        self._by_sock[sock] = link
+        self.sockets_epoch += 1
         link.nonce = secrets.token_bytes(16)
         link.state = LinkState.CONNECTING
         link.deadline = self._clock() + self.config.deadline_s
@@ -377,6 +379,8 @@ class ZmqControl(ControlTransport):
     def _close_sock(self, link: Link) -> None:
         if link.sock is not None:
             self._poller.unregister(link.sock)
+            self._by_sock.pop(link.sock, None)
+            self.sockets_epoch += 1
             link.sock.close(linger=0)
             link.sock = None
 

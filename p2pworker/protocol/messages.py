@@ -18,14 +18,17 @@ from msgspec import Meta
 from p2pworker.data.base import PeerDataInfo
 from p2pworker.errors import RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
+from p2pworker.limits import MAX_FRAME_BYTES, MAX_JOB_KEYS, MAX_KEY_BYTES, MAX_MSG_KEYS
 
-PROTOCOL_VERSION = 2  # 2: consumer pull (Fetch/Offer/Release) replaced producer push
-# Invariant 8 is NOT met yet (issue 13): a valid vLLM job can exceed these ceilings (a 1M-token prompt is 65,536
-# chunks of 16 tokens), and it then fails cleanly (the session refuses the load; the peer's decoder refuses a frame).
-MAX_KEYS = 8192  # keys (blocks) in one fetch, offer, release or lookup
+# 2: consumer pull (Fetch/Offer/Release) replaced producer push.  3: key lists of any length go as parts.
+PROTOCOL_VERSION = 3
+# Invariant 8: a frame carries at most MAX_KEYS keys (so it stays far below MAX_FRAME_BYTES), and a round or a
+# lookup of more keys goes as several frames: Fetch/Lookup parts (``part`` 0, 1, ...; ``more`` on all but the
+# last), Offers in pieces (``final`` on the last), Release/LookupResp parts (``more``).  The receiver puts the
+# parts together (a round or a lookup is still one job, reported once), up to MAX_JOB_KEYS keys in all.
+MAX_KEYS = MAX_MSG_KEYS
+MAX_PARTS = MAX_JOB_KEYS // MAX_KEYS
 MAX_ID_CHARS = 256
-MAX_KEY_BYTES = 128
-MAX_FRAME_BYTES = 4 << 20
 MAX_LEASE_MS = 3_600_000
 
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -33,6 +36,7 @@ Key = Annotated[bytes, Meta(max_length=MAX_KEY_BYTES)]
 Keys = Annotated[list[Key], Meta(max_length=MAX_KEYS)]
 Row = Annotated[int, Meta(ge=0, lt=1 << 40)]
 Count = Annotated[int, Meta(ge=0, lt=1 << 62)]
+Part = Annotated[int, Meta(ge=0, lt=MAX_PARTS)]
 Reason = Annotated[str, Meta(max_length=1024)]
 
 
@@ -67,6 +71,8 @@ class Fetch(msgspec.Struct, tag="fetch", forbid_unknown_fields=True):
     round: Count
     keys: Keys
     lease_ms: Annotated[int, Meta(ge=1, le=MAX_LEASE_MS)]
+    part: Part = 0  # parts of one round follow each other in order on the link
+    more: bool = False  # more keys of this round follow in part + 1
 
 
 class Offer(msgspec.Struct, tag="offer", forbid_unknown_fields=True):
@@ -94,6 +100,7 @@ class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
     request_id: Id
     round: Count
     read: Keys
+    more: bool = False  # more read keys follow: act on the last part only
 
 
 class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
@@ -102,11 +109,14 @@ class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
     lookup_id: Count
     request_id: Id
     keys: Keys
+    part: Part = 0
+    more: bool = False  # more keys of this lookup follow: answer once the last part is in
 
 
 class LookupResp(msgspec.Struct, tag="lookup_resp", forbid_unknown_fields=True):
     lookup_id: Count
     present: Annotated[list[bool], Meta(max_length=MAX_KEYS)]
+    more: bool = False  # more answers follow, in the order of the keys asked
 
 
 class Probe(msgspec.Struct, tag="probe", forbid_unknown_fields=True):

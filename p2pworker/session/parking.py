@@ -29,6 +29,8 @@ Lease phases (a parcel has at most one lease at a time)::
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +53,9 @@ class Lease:
     hold_until: float  # the lease's end: pinned rows are released even without a Release
     offered: dict[bytes, int] = field(default_factory=dict)  # key -> our row, pinned
     phase: LeasePhase = LeasePhase.OFFERING
+    more: bool = False  # more Fetch parts of this round are to come (no final Offer before the last)
+    parts: int = 1  # Fetch parts received
+    read: list[bytes] = field(default_factory=list)  # keys named by the Release parts received so far
 
 
 @dataclass(eq=False)
@@ -82,11 +87,17 @@ class ParkingLot:
         self.reaped = 0
         self.leases_expired = 0
         self.leases = 0  # parcels under a lease now (the worker polls for passive progress only then)
+        # (due, seq, parcel, lease or None): when tick() must look at a parcel (reap) or a lease (its end).  A
+        # heap, so a tick costs what is due, not a walk over every parked request (invariant 8).  Stale entries
+        # (a parcel forgotten, a lease released) are skipped when they come up.
+        self._due: list[tuple[float, int, Parcel, Lease | None]] = []
+        self._seq = itertools.count()
 
     def parcel(self, request_id: str) -> Parcel:
         p = self.parcels.get(request_id)
         if p is None:
             p = self.parcels[request_id] = Parcel(request_id, self.clock())
+            heapq.heappush(self._due, (p.created + self.park_timeout_s, next(self._seq), p, None))
         return p
 
     # ------------------------------------------------------------ from the adapter
@@ -135,6 +146,7 @@ class ParkingLot:
             raise ValueError(f"parcel {p.request_id!r} is leased already (round {p.lease.round})")
         p.lease = lease
         self.leases += 1
+        heapq.heappush(self._due, (lease.hold_until, next(self._seq), p, lease))
 
     def release(self, p: Parcel, read: list[bytes], reason: str) -> None:
         """End ``p``'s lease: ``read`` keys were read intact; other offered keys fail their jobs with ``reason``.
@@ -216,15 +228,20 @@ class ParkingLot:
         self.parcels.pop(p.request_id, None)
 
     def tick(self) -> None:
-        """Lease ends and reaping.  Time is only compared here, never trusted from a peer."""
+        """Lease ends and reaping, for what is due only.  Time is only compared here, never trusted from a peer."""
         now = self.clock()
-        for p in list(self.parcels.values()):
-            lease = p.lease
+        due = self._due
+        while due and due[0][0] <= now:
+            _, _, p, lease = heapq.heappop(due)
+            if self.parcels.get(p.request_id) is not p:
+                continue  # forgotten already
             if lease is not None:
-                if now >= lease.hold_until:
+                if p.lease is lease:
                     self.leases_expired += 1
                     self.release(p, [], f"lease of round {lease.round} ran out without the consumer's release")
-            elif now - p.created >= self.park_timeout_s:
+            elif p.lease is not None:  # not reaped under a lease: look again when it ends
+                heapq.heappush(due, (max(now, p.lease.hold_until), next(self._seq), p, None))
+            else:
                 self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores
                 self.drop(p, f"not fetched within {self.park_timeout_s:g} s")
 

@@ -18,11 +18,17 @@ The data plane is consumer pull (protocol version 2).  Consumer (client
 role), one load = one round (round numbers are worker-wide, so they never
 collide across reconnects)::
 
-    load(): Fetch(keys, lease_ms) ---------------------> producer pins offered rows
+    load(): Fetch(keys, lease_ms)[parts] --------------> producer pins offered rows
             <------------------- Offer(keys, rows)*      (as stores arrive)
     PostRead(producer rows -> granted rows)
             <------------------- Offer(final)
-    all reads settled: report the job, then Release(read keys) --> rows unpinned
+    all reads settled: report the job, then Release(read keys)[parts] --> rows unpinned
+
+Any number of keys (invariant 8): a frame carries at most ``MAX_KEYS``; a
+round's Fetch goes in parts (the producer offers each part's keys as they
+come and sends the final Offer only after the last part), Offers go in
+pieces, a Release in parts (the producer acts on the last), and lookups and
+their answers likewise.  Every path is linear in the keys it touches.
 
 Load phases (:data:`LOAD_MOVES` is the table)::
 
@@ -52,6 +58,7 @@ from typing import Callable, Union
 from p2pworker.data.base import PeerDataInfo
 from p2pworker.errors import LocalProtocolError, RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
+from p2pworker.limits import MAX_JOB_KEYS
 from p2pworker.protocol import messages as m
 from p2pworker.session.parking import Lease, LeasePhase, Parcel, ParkingLot
 from p2pworker.session.reporter import Reporter, ServeLookup, SessionClosed, SessionUp
@@ -188,9 +195,37 @@ class _Load:
     reason: str = ""
     phase: LoadPhase = LoadPhase.WAITING
     settle_by: float = math.inf
-    fetch: m.Fetch | None = None  # while it waits in the pre-handshake queue, it can still be withdrawn
+    fetches: list[m.Fetch] = field(default_factory=list)  # while they wait for the handshake: withdrawable
     handshake_by: float = math.inf  # a Fetch still queued then is withdrawn: whoever answers later on that
     # address (a restarted producer) never heard of the request and would make us wait out its fetch_timeout_s
+
+
+@dataclass(eq=False)
+class _Asked:
+    """A lookup we sent: its answers arrive in parts, in the order of the keys."""
+
+    deadline: float
+    n: int
+    present: list[bool] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Inbound:
+    """A peer's lookup whose parts are still arriving."""
+
+    request_id: str
+    refused: bool  # too many lookups served already: answered all-False at the end, keys not kept
+    keys: list[bytes] = field(default_factory=list)
+    n: int = 0
+    parts: int = 0
+
+
+def _parts(items: list):
+    """(part number, slice, more) for each frame's share of ``items``; one empty part for an empty list."""
+    n = m.MAX_KEYS  # read at call time: the property tests shrink it to split tiny rounds into parts
+    total = len(items)
+    for i in range(0, max(total, 1), n):
+        yield i // n, items[i:i + n], i + n < total
 
 
 class Session:
@@ -208,14 +243,15 @@ class Session:
         self._reads: dict[int, _Load] = {}  # pending read id -> its load
         self._next_read = 0
         self._done_rounds: dict[int, None] = {}  # rounds reported: late offers for them are ignored
-        self._lookups: dict[int, tuple[float, int]] = {}  # lookup id -> (deadline, keys asked)
-        self._serving: dict[int, int] = {}  # inbound lookup id -> keys asked
+        self._lookups: dict[int, _Asked] = {}  # lookups we sent, not answered in full yet
+        self._inbound: dict[int, _Inbound] = {}  # a peer's lookups whose parts are still arriving
+        self._serving: dict[int, int] = {}  # inbound lookup id -> keys asked (waiting for answer_lookup)
         self._parcels: set[Parcel] = set()  # parcels whose lease this session serves
         self._data_added = False
         self.stuck = ""  # set when posted reads never settle: the worker must exit (see tick)
         self.quiet_close = False  # closed after answering a probe: the peer hangs up itself
-        self.counters = {"late_offers": 0, "late_reads": 0, "stale_releases": 0, "unsettled_reads": 0,
-                         "protocol_errors": 0, "frames_in": 0}
+        self.counters = {"late_offers": 0, "late_reads": 0, "stale_releases": 0, "stale_fetch_parts": 0,
+                         "unsettled_reads": 0, "protocol_errors": 0, "frames_in": 0}
         self._handlers = {
             m.Hello: self._on_hello,
             m.HelloAck: self._on_hello_ack,
@@ -359,6 +395,7 @@ class Session:
         for lookup_id in list(self._lookups):
             ctx.reporter.lookup_done(lookup_id, None, why)
         self._lookups.clear()
+        self._inbound.clear()
         self._serving.clear()
         for p in list(self._parcels):
             if p.lease is not None and p.lease.owner is self:
@@ -390,11 +427,14 @@ class Session:
         if self.state is State.CLOSED:
             ctx.reporter.done(job_id, False, (), 0, now, f"session to {self.peer_id} closed: {self.close_reason}")
             return []
+        if len(keys) > MAX_JOB_KEYS:
+            ctx.reporter.done(job_id, False, (), 0, now, f"load of {len(keys)} keys exceeds the hard limit of "
+                                                          f"{MAX_JOB_KEYS} keys per job (p2pworker.limits)")
+            return []
         granted = dict(zip(keys, (int(r) for r in rows)))
-        if not keys or len(keys) != len(rows) or len(keys) > m.MAX_KEYS or len(granted) != len(keys) \
-                or len(set(granted.values())) != len(keys):
+        if not keys or len(keys) != len(rows) or len(granted) != len(keys) or len(set(granted.values())) != len(keys):
             ctx.reporter.done(job_id, False, (), 0, now, f"bad load: {len(keys)} keys, {len(rows)} rows "
-                                                          f"(at most {m.MAX_KEYS}, no duplicates)")
+                                                          f"(no duplicates allowed)")
             return []
         lease_ms = math.ceil(ctx.config.load_timeout_s * 1000)
         if not 1 <= lease_ms <= m.MAX_LEASE_MS:
@@ -410,19 +450,26 @@ class Session:
         # The deadline is taken BEFORE the Fetch is sent (or queued): the producer's hold starts later.
         load = self._loads[rnd] = _Load(job_id, request_id, rnd, granted, now + lease_s,
                                         handshake_by=now + ctx.config.handshake_timeout_s)
-        load.fetch = m.Fetch(request_id, rnd, list(keys), lease_ms)
-        self._send(load.fetch)
+        load.fetches = [m.Fetch(request_id, rnd, part_keys, lease_ms, part, more)
+                        for part, part_keys, more in _parts(list(keys))]
+        for fetch in load.fetches:
+            self._send(fetch)
+        if self.state is State.ACTIVE:
+            load.fetches = []  # sent: nothing to withdraw
         return self._take()
 
     def lookup(self, lookup_id: int, keys: list[bytes], request_id: str) -> list[Action]:
         ctx = self.ctx
         ctx.reporter.open_lookup(lookup_id)
-        if self.state is State.CLOSED or self._queue_full():
+        if self.state is State.CLOSED or self._queue_full() or len(keys) > MAX_JOB_KEYS:
             ctx.reporter.lookup_done(lookup_id, None, f"session closed: {self.close_reason}" if self.state is
-                                     State.CLOSED else "too many messages wait for the handshake")
+                                     State.CLOSED else "too many messages wait for the handshake"
+                                     if self._queue_full() else f"lookup of {len(keys)} keys exceeds the hard "
+                                     f"limit of {MAX_JOB_KEYS} (p2pworker.limits)")
             return []
-        self._lookups[lookup_id] = (ctx.clock() + ctx.config.lookup_timeout_s, len(keys))
-        self._send(m.Lookup(lookup_id, request_id, list(keys)))
+        self._lookups[lookup_id] = _Asked(ctx.clock() + ctx.config.lookup_timeout_s, len(keys))
+        for part, part_keys, more in _parts(list(keys)):
+            self._send(m.Lookup(lookup_id, request_id, part_keys, part, more))
         return self._take()
 
     def _on_offer(self, msg: m.Offer) -> None:
@@ -499,10 +546,12 @@ class Session:
         reason = "" if ok else load.reason or f"{n - len(load.read_ok)} of {n} keys did not arrive"
         ctx.reporter.done(load.job_id, ok, load.read_ok, len(load.read_ok) * ctx.data_info.block_bytes,
                           ctx.clock(), reason)
-        if self.state is not State.ACTIVE and load.fetch in self._queue:
-            self._queue.remove(load.fetch)  # never sent: nothing leased, nothing to release
+        if self.state is not State.ACTIVE and load.fetches:
+            withdrawn = set(map(id, load.fetches))  # never sent: nothing leased, nothing to release
+            self._queue = [msg for msg in self._queue if id(msg) not in withdrawn]
             return
-        self._send(m.Release(load.request_id, load.round, load.read_ok))
+        for _, part_keys, more in _parts(load.read_ok):
+            self._send(m.Release(load.request_id, load.round, part_keys, more))
 
     def _settle(self, load: _Load, event: LoadEvent, reason: str) -> None:
         """Deadline or close: cancel the load's reads; report when none is pending."""
@@ -516,22 +565,48 @@ class Session:
             self._report(load)
 
     def _on_lookup_resp(self, msg: m.LookupResp) -> None:
-        pending = self._lookups.pop(msg.lookup_id, None)
-        if pending is None:
+        asked = self._lookups.get(msg.lookup_id)
+        if asked is None:
             self.counters["late_offers"] += 1
             return
-        if len(msg.present) != pending[1]:
-            self._lookups[msg.lookup_id] = pending
-            raise RemoteProtocolError(f"lookup_resp {msg.lookup_id}: {len(msg.present)} answers for {pending[1]} keys")
-        self.ctx.reporter.lookup_done(msg.lookup_id, msg.present)
+        asked.present += msg.present
+        if len(asked.present) > asked.n or (not msg.more and len(asked.present) != asked.n):
+            # left in _lookups: the close this raises reports it failed
+            raise RemoteProtocolError(f"lookup_resp {msg.lookup_id}: {len(asked.present)} answers for {asked.n} keys")
+        if not msg.more:
+            del self._lookups[msg.lookup_id]
+            self.ctx.reporter.lookup_done(msg.lookup_id, asked.present)
 
     # ------------------------------------------------------------ server role (producer)
     def _on_lookup(self, msg: m.Lookup) -> None:
-        if len(self._serving) >= self.ctx.config.max_inbound_lookups:
-            self._emit(m.LookupResp(msg.lookup_id, [False] * len(msg.keys)))
+        limit = self.ctx.config.max_inbound_lookups
+        inb = self._inbound.get(msg.lookup_id)
+        if msg.part == 0:
+            if inb is not None or msg.lookup_id in self._serving:
+                raise RemoteProtocolError(f"lookup {msg.lookup_id} asked again while the first is open")
+            if len(self._inbound) >= limit:
+                raise RemoteProtocolError(f"more than {limit} lookups left unfinished (their last part never came)")
+            inb = self._inbound[msg.lookup_id] = _Inbound(msg.request_id, refused=len(self._serving) >= limit)
+        elif inb is None or msg.part != inb.parts or msg.request_id != inb.request_id:
+            raise RemoteProtocolError(f"lookup {msg.lookup_id}: part {msg.part} out of order")
+        inb.parts += 1
+        inb.n += len(msg.keys)
+        if inb.n > MAX_JOB_KEYS:
+            raise RemoteProtocolError(f"lookup {msg.lookup_id} of more than {MAX_JOB_KEYS} keys")
+        if not inb.refused:
+            inb.keys += msg.keys
+        if msg.more:
             return
-        self._serving[msg.lookup_id] = len(msg.keys)
-        self.ctx.reporter.emit(ServeLookup(self.peer_id, msg.lookup_id, msg.request_id, tuple(msg.keys)))
+        del self._inbound[msg.lookup_id]
+        if inb.refused:
+            self._answer_parts(msg.lookup_id, [False] * inb.n)
+            return
+        self._serving[msg.lookup_id] = inb.n
+        self.ctx.reporter.emit(ServeLookup(self.peer_id, msg.lookup_id, inb.request_id, tuple(inb.keys)))
+
+    def _answer_parts(self, lookup_id: int, present: list[bool]) -> None:
+        for _, part, more in _parts(present):
+            self._emit(m.LookupResp(lookup_id, part, more))
 
     def answer_lookup(self, lookup_id: int, present: list[bool]) -> tuple[bool, list[Action]]:
         """Answer a peer's lookup; (False, []) when this session is not serving ``lookup_id``."""
@@ -540,7 +615,7 @@ class Session:
             return False, []
         if len(present) != n:
             raise LocalProtocolError(f"lookup {lookup_id}: {len(present)} answers for {n} keys")
-        self._emit(m.LookupResp(lookup_id, list(present)))
+        self._answer_parts(lookup_id, list(present))
         return True, self._take()
 
     def _on_fetch(self, msg: m.Fetch) -> None:
@@ -548,6 +623,9 @@ class Session:
         now = ctx.clock()
         if len(set(msg.keys)) != len(msg.keys):
             raise RemoteProtocolError(f"fetch {msg.request_id!r}: duplicate keys")
+        if msg.part:
+            self._on_fetch_part(msg)
+            return
         lease_s = msg.lease_ms / 1000
         if lease_s > ctx.config.max_lease_s:
             self._emit(m.Offer(msg.request_id, msg.round, [], [], True,
@@ -561,10 +639,32 @@ class Session:
             return
         # offer_until: later offers would arrive too close to the consumer's deadline to be read in time.
         lease = Lease(msg.round, self, dict.fromkeys(msg.keys), now + min(ctx.config.fetch_timeout_s, 0.9 * lease_s),
-                      now + lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S)
+                      now + lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S, more=msg.more, parts=1)
         lot.bind(p, lease)
         self._parcels.add(p)
         self._offer(p)
+
+    def _on_fetch_part(self, msg: m.Fetch) -> None:
+        """A later part of a round's Fetch: its keys join the lease (the hold still counts from part 0)."""
+        p = self.ctx.lot.parcels.get(msg.request_id)
+        lease = p.lease if p is not None else None
+        if lease is None or lease.owner is not self or lease.round != msg.round or lease.phase is LeasePhase.HELD:
+            # Part 0 was refused, or the round's offers already ended (fetch_timeout_s) or its lease did: the
+            # consumer has (or will have) its final Offer; these keys were never offered.  Nothing to add to.
+            self.counters["stale_fetch_parts"] += 1
+            return
+        if not lease.more or msg.part != lease.parts:
+            raise RemoteProtocolError(f"fetch {msg.request_id!r} round {msg.round}: part {msg.part} out of order")
+        if lease.parts * m.MAX_KEYS + len(msg.keys) > MAX_JOB_KEYS:
+            raise RemoteProtocolError(f"fetch {msg.request_id!r} of more than {MAX_JOB_KEYS} keys")
+        pending, offered = lease.pending, lease.offered
+        for k in msg.keys:
+            if k in pending or k in offered:
+                raise RemoteProtocolError(f"fetch {msg.request_id!r}: duplicate keys")
+            pending[k] = None
+        lease.parts += 1
+        lease.more = msg.more
+        self._offer(p, msg.keys)
 
     def pump(self, p: Parcel, new_keys: list[bytes] | None = None) -> list[Action]:
         """New stores (``new_keys``: only those are looked at, so a request fed one key at a time costs
@@ -582,7 +682,8 @@ class Session:
             del lease.pending[k]
             lease.offered[k] = p.rows[k]
         now = self.ctx.clock()
-        final = not lease.pending or p.finished or now >= lease.offer_until
+        # While Fetch parts are still coming, "nothing pending" or "request finished" says nothing about their keys.
+        final = (not lease.more and (not lease.pending or p.finished)) or now >= lease.offer_until
         if not keys and not final:
             return
         reason = ""
@@ -594,7 +695,12 @@ class Session:
             lease.pending.clear()
         if final:
             lease.phase = LeasePhase.HELD
-        self._emit(m.Offer(p.request_id, lease.round, keys, [p.rows[k] for k in keys], final, reason))
+            lease.more = False  # parts still to come are ignored: the consumer has its final offer
+        rows = [p.rows[k] for k in keys]
+        for part, part_keys, more in _parts(keys):  # pieces of MAX_KEYS; only the last one may be final
+            i = part * m.MAX_KEYS
+            self._emit(m.Offer(p.request_id, lease.round, part_keys, rows[i:i + m.MAX_KEYS], final and not more,
+                               "" if more else reason))
 
     def _on_release(self, msg: m.Release) -> None:
         p = self.ctx.lot.parcels.get(msg.request_id)
@@ -604,8 +710,13 @@ class Session:
             return
         if any(k not in lease.offered for k in msg.read):
             raise RemoteProtocolError(f"release for {msg.request_id!r} names keys that were not offered")
+        lease.read += msg.read
+        if len(lease.read) > len(lease.offered):
+            raise RemoteProtocolError(f"release for {msg.request_id!r} names more keys than were offered")
+        if msg.more:
+            return  # the rows stay pinned until the last part
         self._parcels.discard(p)
-        self.ctx.lot.release(p, msg.read, f"consumer {self.peer_id} did not read it")
+        self.ctx.lot.release(p, lease.read, f"consumer {self.peer_id} did not read it")
 
     # ------------------------------------------------------------ time
     def tick(self) -> list[Action]:
@@ -629,8 +740,8 @@ class Session:
                               f"{ctx.config.settle_timeout_s:g} s of their cancellation ({load.reason})")
         if self.state is State.CLOSED:
             return self._take()
-        for lookup_id, (deadline, _) in list(self._lookups.items()):
-            if now >= deadline:
+        for lookup_id, asked in list(self._lookups.items()):
+            if now >= asked.deadline:
                 del self._lookups[lookup_id]
                 ctx.reporter.lookup_done(lookup_id, None, f"lookup timed out after {ctx.config.lookup_timeout_s:g} s")
         for p in list(self._parcels):

@@ -13,7 +13,7 @@ own 64-byte cache line)::
     byte  word  field          written by   meaning
     ----  ----  -------------  -----------  ------------------------------------
        0     0  MAGIC          creator      b"p2pwring" as u64
-       8     1  VERSION        creator      layout version (1)
+       8     1  VERSION        creator      layout version (2: messages may span slots)
       16     2  NSLOTS         creator      number of slots, a power of two
       24     3  SLOT_BYTES     creator      bytes per slot, length word included
       64     8  HEAD           producer     messages published (monotonic)
@@ -28,7 +28,18 @@ own 64-byte cache line)::
      384    48  PROD_SLEEPING  both         1: producer may sleep on the space bell
      512        slot 0 ... slot NSLOTS-1, SLOT_BYTES each:
 
-        slot k = seq % NSLOTS:   [ u64 length | payload (length bytes) | unused ]
+        slot k = seq % NSLOTS:   [ u64 word | payload (length bytes) | unused ]
+        word = length (bits 0..47) | MORE (bit 63): another slot of this message follows
+
+Messages larger than one slot span consecutive slots (invariant 8: a 65,536-key
+job is ~2.8 MB; a 1M-key one is larger than the whole ring).  The producer
+publishes the slots of one message in order, as space frees up; the consumer
+copies MORE slots into a reassembly buffer and returns the message when the
+slot without MORE arrives.  A message larger than ``max_message_bytes`` (a
+hard limit, checked on both sides) raises ``MessageTooLarge`` before anything
+is published.  A non-blocking producer (``try_put``) that cannot publish a
+whole message at once keeps the rest and publishes it from :meth:`flush`
+(and every later ``try_put``), so messages never interleave.
 
 Head/tail protocol::
 
@@ -78,12 +89,16 @@ import msgspec
 import posix_ipc
 
 from p2pworker.errors import MessageTooLarge, PeerDead, RingError
+from p2pworker.limits import RING_MAX_MESSAGE_BYTES
 from p2pworker.shm.liveness import process_alive, self_identity
 
 MAGIC = int.from_bytes(b"p2pwring", "little")
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 512
 LEN_BYTES = 8
+MORE = 1 << 63  # in a slot's length word: the message continues in the next slot
+LEN_MASK = (1 << 48) - 1
+DEFAULT_MAX_MESSAGE_BYTES = RING_MAX_MESSAGE_BYTES
 
 W_MAGIC, W_VERSION, W_NSLOTS, W_SLOT_BYTES = 0, 1, 2, 3
 W_HEAD, W_TAIL = 8, 16
@@ -156,8 +171,13 @@ class Ring:
         spin_s: float = 200e-6,
         poll_slice_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ):
         self.name = name
+        self.max_message_bytes = max_message_bytes
+        self._tx: memoryview | None = None  # producer: the unpublished rest of a message that spans slots
+        self._rx = bytearray()  # consumer: the slots of a message whose last slot has not arrived
+        self._skipping = False  # consumer: the rest of a message refused as too large is consumed unread
         self.role = role
         self.creator = creator
         self.spin_s = spin_s
@@ -293,36 +313,84 @@ class Ring:
 
     # ------------------------------------------------------------ producer side
     def try_put_bytes(self, data: bytes | bytearray | memoryview) -> bool:
-        """Publish ``data`` if a slot is free; never blocks.  False when full."""
+        """Publish ``data``; never blocks.  True when the ring took the message, False when it is full.
+
+        A message larger than one slot is taken as soon as its first slot is
+        published; the ring keeps the rest and publishes it from :meth:`flush`
+        (called by every later ``try_put``): keep calling it while
+        :attr:`pending_bytes` is non-zero.  False while an earlier message is
+        still partly unpublished.
+        """
         if self._closed:
             raise RingError(f"ring {self.name!r} is closed")
         n = len(data)
-        if n > self.capacity:
-            raise MessageTooLarge(n, self.capacity, self.name)
+        if n > self.max_message_bytes:
+            raise MessageTooLarge(n, self.max_message_bytes, self.name)
+        if self._tx is not None and not self.flush():
+            return False
         w = self._w
         head = w[W_HEAD]
         if head - w[W_TAIL] >= self.nslots:
             return False
-        off = HEADER_BYTES + (head & self._mask) * self.slot_bytes
-        self._buf[off + LEN_BYTES : off + LEN_BYTES + n] = data
-        w[off >> 3] = n
-        if not _TSO:
-            _fence()
-        w[W_HEAD] = head + 1
-        self._ring_peer_bell()
+        if n <= self.capacity:  # the common case: one slot, published at once
+            self._write_slot(head, data, n)
+            self._ring_peer_bell()
+            return True
+        self._tx = memoryview(data).cast("B")
+        self.flush()
         return True
 
-    def put_bytes(self, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
-        """Publish ``data``, waiting for a free slot up to ``timeout_s``.
+    def _write_slot(self, head: int, data: Any, word: int) -> None:
+        n = word & LEN_MASK
+        off = HEADER_BYTES + (head & self._mask) * self.slot_bytes
+        self._buf[off + LEN_BYTES : off + LEN_BYTES + n] = data
+        self._w[off >> 3] = word
+        if not _TSO:
+            _fence()
+        self._w[W_HEAD] = head + 1
 
-        Raises ``TimeoutError`` when the ring stays full, ``PeerDead`` when the
-        consumer is gone, ``MessageTooLarge`` when ``data`` exceeds a slot.
+    def flush(self) -> bool:
+        """Publish what fits of a message that spans slots; never blocks.  True when nothing is left."""
+        tx = self._tx
+        if tx is None:
+            return True
+        if self._closed:
+            raise RingError(f"ring {self.name!r} is closed")
+        w = self._w
+        head, cap = w[W_HEAD], self.capacity
+        free = self.nslots - (head - w[W_TAIL])
+        published = False
+        while free > 0 and tx is not None:
+            n = min(cap, len(tx))
+            last = n == len(tx)
+            self._write_slot(head, tx[:n], n if last else n | MORE)
+            head += 1
+            free -= 1
+            published = True
+            tx = None if last else tx[n:]
+        self._tx = tx
+        if published:
+            self._ring_peer_bell()
+        return tx is None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of a taken message not published yet (see :meth:`try_put_bytes`)."""
+        return 0 if self._tx is None else len(self._tx)
+
+    def put_bytes(self, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
+        """Publish ``data`` whole, waiting for free slots up to ``timeout_s`` in all.
+
+        Raises ``TimeoutError`` when the ring stays full (a message that spans
+        slots may then be partly published: :meth:`flush` finishes it),
+        ``PeerDead`` when the consumer is gone, ``MessageTooLarge`` when
+        ``data`` exceeds ``max_message_bytes``.
         """
-        if self.try_put_bytes(data):
-            return
-        self._wait(self._has_space, timeout_s, "space in ring")
-        if not self.try_put_bytes(data):  # pragma: no cover - single producer
-            raise RingError(f"ring {self.name!r}: slot vanished under a single producer")
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        while not self.try_put_bytes(data):
+            self._wait(self._has_space, _left(deadline, self._clock), "space in ring")
+        while not self.flush():
+            self._wait(self._has_space, _left(deadline, self._clock), "space in ring")
 
     def try_put(self, msg: Any) -> bool:
         return self.try_put_bytes(self._enc.encode(msg))
@@ -339,25 +407,51 @@ class Ring:
         if self._closed:
             raise RingError(f"ring {self.name!r} is closed")
         w = self._w
-        tail = w[W_TAIL]
-        if tail >= w[W_HEAD]:
-            return None
-        if not _TSO:
-            _fence()
-        off = HEADER_BYTES + (tail & self._mask) * self.slot_bytes
-        n = w[off >> 3]
-        if n > self.capacity:
-            raise RingError(f"ring {self.name!r} is corrupt: slot length {n} > capacity {self.capacity}")
-        payload = self._buf[off + LEN_BYTES : off + LEN_BYTES + n]
-        try:
-            out = self._dec.decode(payload) if decode else bytes(payload)
-        finally:
-            payload.release()
+        while True:
+            tail = w[W_TAIL]
+            if tail >= w[W_HEAD]:
+                return None  # empty (a message whose last slot is still to come stays in _rx)
             if not _TSO:
                 _fence()
-            w[W_TAIL] = tail + 1  # a bad message is consumed, not re-read forever
-            self._ring_peer_bell()
-        return out
+            off = HEADER_BYTES + (tail & self._mask) * self.slot_bytes
+            word = w[off >> 3]
+            n = word & LEN_MASK
+            if n > self.capacity:
+                self._rx = bytearray()
+                self._release_slot(tail)
+                raise RingError(f"ring {self.name!r} is corrupt: slot length {n} > capacity {self.capacity}")
+            if self._skipping:
+                self._skipping = bool(word & MORE)
+                self._release_slot(tail)
+                continue
+            payload = self._buf[off + LEN_BYTES : off + LEN_BYTES + n]
+            if word & MORE:
+                self._rx += payload
+                payload.release()
+                self._release_slot(tail)
+                if len(self._rx) > self.max_message_bytes:
+                    size, self._rx = len(self._rx), bytearray()
+                    self._skipping = True  # its remaining slots are consumed unread as they arrive
+                    raise MessageTooLarge(size, self.max_message_bytes, self.name)
+                continue
+            try:
+                if self._rx:  # the last slot of a message that spans slots
+                    self._rx += payload
+                    payload.release()
+                    whole, self._rx = self._rx, bytearray()
+                    out = self._dec.decode(whole) if decode else bytes(whole)
+                else:
+                    out = self._dec.decode(payload) if decode else bytes(payload)
+            finally:
+                payload.release()
+                self._release_slot(tail)  # a bad message is consumed, not re-read forever
+            return out
+
+    def _release_slot(self, tail: int) -> None:
+        if not _TSO:
+            _fence()
+        self._w[W_TAIL] = tail + 1
+        self._ring_peer_bell()
 
     def try_get_bytes(self) -> bytes | None:
         """The next message's bytes, or None when the ring is empty; never blocks."""
@@ -372,19 +466,19 @@ class Ring:
         return self._take(decode=True)
 
     def get_bytes(self, timeout_s: float | None = None) -> bytes:
-        out = self._take(decode=False)
-        if out is None:
-            self._wait(self._has_data, timeout_s, "a message")
-            out = self._take(decode=False)
-        return out
+        return self._get(False, timeout_s)
 
     def get(self, timeout_s: float | None = None) -> Any:
         """The next decoded message, waiting up to ``timeout_s`` (None: until the peer dies)."""
-        out = self._take(decode=True)
-        if out is None:
-            self._wait(self._has_data, timeout_s, "a message")
-            out = self._take(decode=True)
-        return out
+        return self._get(True, timeout_s)
+
+    def _get(self, decode: bool, timeout_s: float | None) -> Any:
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        while True:
+            out = self._take(decode)
+            if out is not None:  # None also while a message that spans slots is only partly here
+                return out
+            self._wait(self._has_data, _left(deadline, self._clock), "a message")
 
     def _has_data(self) -> bool:
         w = self._w
@@ -511,6 +605,10 @@ class Ring:
 
     def __repr__(self) -> str:
         return f"Ring({self.name!r}, {self.role.value}, nslots={self.nslots}, slot_bytes={self.slot_bytes})"
+
+
+def _left(deadline: float | None, clock: Callable[[], float]) -> float | None:
+    return None if deadline is None else max(0.0, deadline - clock())
 
 
 def _unlink_all(name: str) -> None:

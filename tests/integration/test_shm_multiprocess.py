@@ -54,6 +54,24 @@ def _consume_after_go(name: str, ready, go, n: int) -> None:
     os._exit(0 if got == list(range(n)) else 6)
 
 
+def _spanning_payload(seq: int) -> bytes:
+    """Sizes from 1 byte to 3x the whole test ring (8 slots of 1,016 bytes), derived from seq."""
+    n = 1 + (seq * 7919) % 24_000
+    return (seq.to_bytes(4, "little") * (n // 4 + 1))[:n]
+
+
+def _consume_spanning(name: str, n: int) -> None:
+    ring = Ring.attach(name, Role.CONSUMER, msg_type=Seq)
+    try:
+        for expected in range(n):
+            msg = ring.get(timeout_s=30)
+            if msg.seq != expected or msg.pad != _spanning_payload(expected):
+                print(f"expected {expected}, got {msg.seq} ({len(msg.pad)} bytes)", flush=True)
+                os._exit(3)
+    finally:
+        ring.close()
+
+
 def _attach_and_hang(name: str, role: str, ready) -> None:
     ring = Ring.attach(name, Role(role), msg_type=Seq)  # noqa: F841 (held until killed)
     ready.set()
@@ -97,6 +115,27 @@ def test_one_million_messages_in_order_across_wraparound(children, shm_prefix):
         elapsed = time.monotonic() - t0
         print(f"1e6 messages through a 64-slot ring: {elapsed:.2f} s ({n / elapsed / 1e3:.0f} k msg/s)")
         assert n // 64 > 10_000  # the ring wrapped over ten thousand times
+    finally:
+        prod.close()
+
+
+@pytest.mark.timeout(120)
+def test_messages_spanning_slots_arrive_whole_and_in_order(children, shm_prefix):
+    """The adapter's way of writing (try_put, then flush while a message is partly out, never blocking) into a
+    consumer in another process: 3,000 messages of 1 byte to 3x the ring's size, each whole and in order."""
+    n = 3000
+    prod = Ring.create(f"{shm_prefix}span", Role.PRODUCER, nslots=8, slot_bytes=1024, msg_type=Seq)
+    try:
+        proc = children.start(_consume_spanning, prod.name, n)
+        deadline = time.monotonic() + 90
+        for i in range(n):
+            while not prod.try_put(Seq(i, _spanning_payload(i))):
+                assert time.monotonic() < deadline
+                time.sleep(0)
+        while not prod.flush():
+            assert time.monotonic() < deadline
+            time.sleep(0)
+        children.join_ok(proc, timeout_s=60)
     finally:
         prod.close()
 

@@ -69,17 +69,76 @@ def test_timeout_on_empty(pair):
         cons.get(timeout_s=0)
 
 
-def test_message_larger_than_slot_is_refused_with_sizes(pair):
+def test_message_larger_than_a_slot_spans_slots(pair):
     prod, cons = pair
     cap = 128 - LEN_BYTES
     assert prod.capacity == cap
-    prod.put_bytes(b"x" * cap)  # exactly one slot fits
-    assert cons.get_bytes() == b"x" * cap
-    with pytest.raises(MessageTooLarge) as ei:
-        prod.put_bytes(b"x" * (cap + 1))
-    assert ei.value.nbytes == cap + 1 and ei.value.capacity == cap
-    assert str(cap + 1) in str(ei.value) and str(cap) in str(ei.value)
-    assert prod.depth() == 0  # nothing half-published
+    for n in (cap, cap + 1, 3 * cap, 3 * cap + 7):
+        data = bytes(range(256)) * (n // 256) + b"z" * (n % 256)
+        prod.put_bytes(data, timeout_s=1)
+        assert prod.depth() == -(-n // cap)  # one slot per capacity's worth
+        assert cons.get_bytes(timeout_s=1) == data
+        assert prod.depth() == 0
+
+
+def test_message_larger_than_the_whole_ring_goes_through_as_space_frees(pair):
+    """8 slots of 120 bytes; a 5,000-byte message: the non-blocking producer publishes what fits, the
+    consumer sees nothing until the last slot, and a second message waits behind the first (no interleaving)."""
+    prod, cons = pair
+    big = os.urandom(5000)
+    assert prod.try_put_bytes(big)  # taken: the first 8 slots are published, the rest waits in the ring
+    assert prod.pending_bytes == 5000 - 8 * prod.capacity
+    assert not prod.try_put_bytes(b"next")  # the big one is not out yet: nothing else may start
+    assert not prod.flush()
+    got = []
+    for _ in range(200):
+        m = cons.try_get_bytes()
+        if m is not None:
+            got.append(m)
+        prod.flush()
+        if got and prod.pending_bytes == 0:
+            break
+    assert got == [big] and prod.pending_bytes == 0
+    assert prod.try_put_bytes(b"next")
+    assert cons.try_get_bytes() == b"next"
+
+
+def test_message_over_the_hard_limit_is_refused_on_both_sides(shm_prefix):
+    prod = Ring.create(f"{shm_prefix}lim", Role.PRODUCER, nslots=8, slot_bytes=128, max_message_bytes=1000)
+    cons = Ring.attach(f"{shm_prefix}lim", Role.CONSUMER, max_message_bytes=300)
+    try:
+        with pytest.raises(MessageTooLarge) as ei:
+            prod.try_put_bytes(b"x" * 1001)
+        assert ei.value.nbytes == 1001 and ei.value.capacity == 1000
+        assert "1001" in str(ei.value) and "max_message_bytes=1000" in str(ei.value)
+        assert prod.depth() == 0 and prod.pending_bytes == 0  # nothing half-published
+        # The consumer's own limit: the message is consumed unread (all its slots), the next one is intact.
+        prod.put_bytes(b"y" * 500, timeout_s=1)  # 5 slots of 120
+        prod.put_bytes(b"after", timeout_s=1)
+        with pytest.raises(MessageTooLarge):
+            while cons.try_get_bytes() is None:
+                pass
+        assert cons.get_bytes(timeout_s=1) == b"after"
+        assert cons.try_get_bytes() is None
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_blocking_put_of_a_spanning_message_times_out_then_flush_finishes_it(pair):
+    prod, cons = pair
+    big = os.urandom(2000)  # 17 slots through 8
+    with pytest.raises(TimeoutError):
+        prod.put_bytes(big, timeout_s=0.05)
+    assert prod.pending_bytes > 0
+    out = bytearray()
+    while True:
+        m = cons.try_get_bytes()
+        prod.flush()
+        if m is not None:
+            out += m
+            break
+    assert bytes(out) == big
 
 
 def test_undecodable_message_is_consumed_not_stuck(pair):

@@ -555,3 +555,125 @@ def test_a_load_waiting_for_the_first_handshake_fails_after_handshake_timeout():
     assert not a.success and "no handshake with the peer within 3 s" in a.reason
     p.deliver()
     assert not wire(p, m.Fetch), "a withdrawn fetch went out after all"
+
+
+# ---------------------------------------------------------------- any number of keys (invariant 8)
+def _big_round(n: int) -> tuple[Pair, float]:
+    import time
+
+    p = Pair(a={"num_blocks": n}, b={"num_blocks": n}).handshake()
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    t0 = time.perf_counter()
+    p.b.store(1, "req", keys, list(range(n)))
+    p.b.finish("req")
+    p.a.load(100, "req", keys, list(range(n - 1, -1, -1)))
+    p.pull_all()
+    elapsed = time.perf_counter() - t0
+    a, b = jobs(p.a.events()), jobs(p.b.events())
+    assert a[100].success and len(a[100].keys) == n and b[1].success, (a, b)
+    assert p.a.region == list(reversed(keys))  # every row holds exactly its key's bytes
+    return p, elapsed
+
+
+def test_a_round_of_65536_keys_goes_in_parts_and_is_reported_once():
+    n = 65_536
+    p, elapsed = _big_round(n)
+    fetches, releases = wire(p, m.Fetch), wire(p, m.Release)
+    assert [f.part for f in fetches] == list(range(n // m.MAX_KEYS))
+    assert [f.more for f in fetches] == [True] * (n // m.MAX_KEYS - 1) + [False]
+    assert [r.more for r in releases] == [True] * (n // m.MAX_KEYS - 1) + [False]
+    assert max(map(len, p.wire_a_to_b)) < m.MAX_FRAME_BYTES // 4  # every frame far below the frame limit
+    assert p.a.reporter.open_jobs == 0 and p.b.reporter.open_jobs == 0 and not p.b.lot.parcels
+    _, small = _big_round(8192)
+    # linear: 8x the keys may cost 8x the time (slack for a noisy machine), never the 64x of a quadratic path
+    assert elapsed < 8 * small * 3, f"{n} keys took {elapsed:.3f} s, 8,192 keys {small:.3f} s"
+
+
+def test_no_final_offer_before_the_last_fetch_part(monkeypatch):
+    """Every key stored and the request finished: the producer must still wait for the Fetch's last part, or
+    the keys in it would be reported missing."""
+    monkeypatch.setattr(m, "MAX_KEYS", 2)
+    p = Pair().handshake()
+    keys = [b"k%d" % i for i in range(5)]
+    p.b.store(1, "req", keys, [10, 11, 12, 13, 14])
+    p.b.finish("req")
+    p.a.load(100, "req", keys, [0, 1, 2, 3, 4])
+    assert [(f.part, f.more) for f in map(m.decode, p.a.outbox)] == [(0, True), (1, True), (2, False)]
+    p.b.receive(p.a.outbox.pop(0))
+    offers = sent(p.b, m.Offer)
+    assert offers and not any(o.final for o in offers)
+    p.pull_all()
+    assert jobs(p.a.events())[100].success and jobs(p.b.events())[1].success
+
+
+def test_fetch_parts_are_validated_and_stale_ones_ignored(monkeypatch):
+    monkeypatch.setattr(m, "MAX_KEYS", 2)
+    p = Pair().handshake()
+    p.b.store(1, "req", [b"a", b"b", b"c"], [1, 2, 3])
+    # a part of a round whose first part never came (refused, or its lease ended): ignored, not an error
+    p.b.receive(m.encode(m.Fetch("req", 7, [b"c"], 30_000, part=1)))
+    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_fetch_parts"] == 1
+    p.b.receive(m.encode(m.Fetch("req", 8, [b"a", b"b"], 30_000, part=0, more=True)))
+    p.b.receive(m.encode(m.Fetch("req", 8, [b"c"], 30_000, part=2)))  # part 1 skipped
+    assert p.sb.state is State.CLOSED and "part 2 out of order" in p.sb.close_reason
+    p = Pair().handshake()
+    p.b.receive(m.encode(m.Fetch("req", 9, [b"a", b"b"], 30_000, part=0, more=True)))
+    p.b.receive(m.encode(m.Fetch("req", 9, [b"b"], 30_000, part=1)))  # a key of part 0 again
+    assert p.sb.state is State.CLOSED and "duplicate keys" in p.sb.close_reason
+    # the producer ended the round's offers (fetch_timeout_s) before the last part came: that part is stale
+    p = Pair().handshake()
+    p.b.receive(m.encode(m.Fetch("req", 10, [b"a", b"b"], 30_000, part=0, more=True)))
+    p.advance(21)
+    p.b.tick()
+    assert [o.final for o in sent(p.b, m.Offer)] == [True]
+    p.b.receive(m.encode(m.Fetch("req", 10, [b"c"], 30_000, part=1)))
+    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_fetch_parts"] == 1
+
+
+def test_a_release_in_parts_unpins_only_at_its_last_part(monkeypatch):
+    monkeypatch.setattr(m, "MAX_KEYS", 2)
+    p = Pair().handshake()
+    keys = [b"k%d" % i for i in range(5)]
+    p.b.store(1, "req", keys, [10, 11, 12, 13, 14])
+    p.a.load(100, "req", keys, [0, 1, 2, 3, 4])
+    p.deliver()
+    p.a.copy_and_settle_all(p.b)
+    assert jobs(p.a.events())[100].success
+    releases = sent(p.a, m.Release)
+    assert [r.more for r in releases] == [True, True, False]
+    for frame in p.a.outbox[:-1]:
+        p.b.receive(frame)
+        assert p.b.lot.parcels["req"].lease is not None  # still pinned
+    p.b.receive(p.a.outbox[-1])
+    assert p.b.lot.parcels.get("req") is None or p.b.lot.parcels["req"].lease is None
+    assert jobs(p.b.events())[1].success
+
+
+def test_a_lookup_of_65536_keys_is_asked_and_answered_in_parts():
+    n = 65_536
+    p = Pair().handshake()
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    p.a.lookup(1, keys, "req")
+    p.deliver()
+    [serve] = [e for e in p.b.events() if isinstance(e, ServeLookup)]
+    assert serve.keys == tuple(keys)
+    present = [i % 3 == 0 for i in range(n)]
+    p.b.answer(1, present)
+    p.deliver()
+    [answer] = [e for e in p.a.events() if isinstance(e, LookupAnswer)]
+    assert answer.present == tuple(present)
+    assert len(wire(p, m.Lookup)) == n // m.MAX_KEYS
+
+
+def test_jobs_and_lookups_over_the_hard_limit_fail_at_once_naming_it():
+    from p2pworker.limits import MAX_JOB_KEYS
+
+    p = Pair().handshake()
+    keys = [i.to_bytes(8, "little") for i in range(MAX_JOB_KEYS + 1)]
+    p.a.load(1, "r", keys, list(range(len(keys))))
+    p.a.lookup(2, keys, "r")
+    events = p.a.events()
+    assert not jobs(events)[1].success and f"hard limit of {MAX_JOB_KEYS}" in jobs(events)[1].reason
+    [answer] = [e for e in events if isinstance(e, LookupAnswer)]
+    assert answer.present is None and f"hard limit of {MAX_JOB_KEYS}" in answer.reason
+    assert p.a.outbox == []  # nothing sent

@@ -35,17 +35,26 @@ def payload(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(-128, 128, ROW, dtype=np.int8)
 
 
+def payloads(ids, row: int) -> np.ndarray:
+    """Chunk contents for many chunks at once (one vectorised call): chunk i starts with i as 8 bytes, so a chunk
+    that landed in another chunk's row is caught, and the rest is a pattern that differs from row to row."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = ((ids[:, None] * 131 + np.arange(row)[None, :] * 7) % 251).astype(np.int8)
+    out[:, :8] = ids.astype("<i8").view(np.int8).reshape(-1, 8)
+    return out
+
+
 class Engine:
     """One TieringOffloadingManager whose only secondary tier is P2PWorkerTier (with its worker)."""
 
-    def __init__(self, name: str, port: int, num_chunks: int = 16, **tier_kw):
+    def __init__(self, name: str, port: int, num_chunks: int = 16, row: int = ROW, **tier_kw):
         tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port,
                 "locality": "REMOTE", **tier_kw}
-        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * ROW,
+        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * row,
                  "eviction_policy": "lru", "secondary_tiers": [tier]}
         config = OffloadingConfig(
             groups=(_mk(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
-            worker_kv_bytes_per_block=ROW, enable_kv_cache_events=False, extra_config=extra,
+            worker_kv_bytes_per_block=row, enable_kv_cache_events=False, extra_config=extra,
             engine_id=f"p2pwt{name}{os.getpid()}",
             model=_mk(OffloadingModelConfig, name="tiny-test", dtype="float16", max_model_len=256),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
@@ -59,6 +68,7 @@ class Engine:
         self.lock = getattr(self.mgr, "lock", contextlib.nullcontext())
         self.view = self.tier._primary_kv_view
         self.mmap_path = self.spec._scheduler_mmap.mmap_path
+        self.row = row
 
     def step(self, new=()) -> None:
         """One scheduler step as OffloadingConnector runs it (incl. the metric hooks every step calls)."""
@@ -77,8 +87,13 @@ class Engine:
             pol = self.mgr.on_new_request(ctx)
             out = self.mgr.prepare_store(keys, ctx)
         rows = np.asarray(self.view)
-        for k, r in zip(out.keys_to_store, out.store_spec.chunk_ids.tolist()):
-            rows[r] = payload(ids[keys.index(k)])
+        index = dict(zip(keys, ids))  # not keys.index(k): a 65,536-chunk request must not cost n^2
+        which = [index[k] for k in out.keys_to_store]
+        if self.row == ROW:
+            for i, r in zip(which, out.store_spec.chunk_ids.tolist()):
+                rows[r] = payload(i)
+        elif which:
+            rows[np.asarray(out.store_spec.chunk_ids)] = payloads(which, self.row).view(rows.dtype)
         del rows
         with self.lock:
             if out.keys_to_store:
@@ -108,4 +123,4 @@ def run_until(engines, done, timeout_s: float = 30.0) -> None:
         time.sleep(0.002)
 
 
-__all__ = ["Engine", "LookupResult", "ReqContext", "key", "payload", "run_until", "ROW"]
+__all__ = ["Engine", "LookupResult", "ReqContext", "key", "payload", "payloads", "run_until", "ROW"]

@@ -1,0 +1,171 @@
+"""Cost per chunk as requests grow: 64 to 65,536 chunks per request (a 1M-token prompt at 16 tokens per chunk).
+
+    .venv-vllm033/bin/python benchmarks/scale_keys.py [--sizes 64,1024,8192,65536] [--reps 3] [--json out.json]
+
+Two real ``TieringOffloadingManager`` s (vLLM's own, scheduler side, built as vLLM builds them) in this process,
+each with P2PWorkerTier and its worker, on loopback with real NIXL; 4 KiB chunks (vLLM's smallest: chunks are
+page-aligned).  Per request: the producer stores N chunks with ``remote_decoder`` (the cascade parks them in the
+tier), the consumer runs lookup -> promotion -> lookup until every chunk is HIT, and the bytes are checked.
+Both schedulers step every ~1 ms while a request is in flight; there is no tier-poll thread here, so every ring
+write happens on the scheduler thread (the 0.32 way: the costlier case).  Per size, medians over ``--reps``
+warm requests (a 64-chunk request opens the session first), and per chunk:
+
+- sched_us: scheduler-thread time inside every tier method (both engines' tiers: store, cascade, lookups,
+  submit_load, polls), divided by N;
+- worker_us: CPU time (user + system) of both worker processes over the request, divided by N;
+- e2e_us: first consumer lookup -> every chunk HIT, divided by N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pd_tier import Timed, _free_port, build  # noqa: E402  (a sibling script, not a package)
+
+ROW = 4096
+TICK_S = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK_S  # utime + stime
+
+
+def _payloads(tag: int, n: int) -> np.ndarray:
+    ids = np.arange(n, dtype=np.int64) + (tag << 32)
+    out = ((ids[:, None] * 131 + np.arange(ROW)[None, :] * 7) % 251).astype(np.int8)
+    out[:, :8] = ids.astype("<i8").view(np.int8).reshape(-1, 8)
+    return out
+
+
+class Engine:
+    def __init__(self, role: str, n: int):
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        self._end = ScheduleEndContext
+        self.port = _free_port()
+        self.mgr = build("ours", role, self.port, ROW, 2 * n + 8)
+        self.tier = self.mgr.secondary_tiers[0]
+        self.timed = Timed(self.tier)
+        self.view = np.asarray(self.tier._primary_kv_view)
+        self.pid = self.tier._client.proc.pid
+
+    def step(self, new=()) -> None:
+        with self.mgr.lock:
+            self.mgr.on_schedule_end(self._end(new_req_ids=list(new), preempted_req_ids=[]))
+
+    def close(self) -> None:
+        del self.view
+        self.mgr.shutdown()
+
+
+def request(prod: Engine, cons: Engine, tag: int, n: int) -> dict:
+    import hashlib
+
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+    rid = f"scale-{tag}"
+    keys = [make_offload_key(hashlib.sha256(b"%d/%d" % (tag, i)).digest(), 0) for i in range(n)]
+    data = _payloads(tag, n)
+    prod.timed.take()
+    cons.timed.take()
+    cpu0 = _cpu_s(prod.pid) + _cpu_s(cons.pid)
+    # producer: what prefill does (primary store, then the cascade parks the chunks in the tier)
+    pctx = ReqContext(req_id=rid, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
+    with prod.mgr.lock:
+        prod.mgr.on_new_request(pctx)
+        out = prod.mgr.prepare_store(keys, pctx)
+    index = {k: i for i, k in enumerate(keys)}
+    prod.view[np.asarray(out.store_spec.chunk_ids)] = data[[index[k] for k in out.keys_to_store]].view(prod.view.dtype)
+    with prod.mgr.lock:
+        prod.mgr.complete_store(out.keys_to_store, pctx)
+        prod.mgr.on_request_finished(pctx)
+    prod.step([rid])
+    # consumer: lookup -> promotion -> lookup until all HIT
+    ctx = ReqContext(req_id=f"d-{rid}", kv_transfer_params={"remote_prefiller": {
+        "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": prod.port}})
+    t0 = time.perf_counter()
+    with cons.mgr.lock:
+        cons.mgr.on_new_request(ctx)
+    first, deadline = True, time.monotonic() + 300
+    while True:
+        with cons.mgr.lock:
+            res = [cons.mgr.lookup(k, ctx) for k in keys]
+        if all(r is LookupResult.HIT for r in res) or any(r is LookupResult.MISS for r in res):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} chunks: not all HIT within 300 s")
+        cons.step([ctx.req_id] if first else ())
+        prod.step()
+        first = False
+        time.sleep(0.001)
+    e2e = time.perf_counter() - t0
+    ok = all(r is LookupResult.HIT for r in res)
+    if ok:
+        with cons.mgr.lock:
+            spec = cons.mgr.prepare_load(keys, ctx)
+        ok = bool((cons.view[np.asarray(spec.chunk_ids)].view(np.int8) == data).all())
+        with cons.mgr.lock:
+            cons.mgr.complete_load(keys, ctx)
+    with cons.mgr.lock:
+        cons.mgr.on_request_finished(ctx)
+    while prod.mgr._jobs or cons.mgr._jobs:  # the producer's store reports (after the consumer's release)
+        prod.step()
+        cons.step()
+        time.sleep(0.001)
+    sched = sum(sum(v) for e in (prod, cons) for v in e.timed.take().values())
+    worker = _cpu_s(prod.pid) + _cpu_s(cons.pid) - cpu0
+    return {"ok": ok, "e2e_s": e2e, "sched_s": sched, "worker_cpu_s": worker}
+
+
+def measure(n: int, reps: int) -> dict:
+    prod, cons = Engine("P", n), Engine("D", n)
+    try:
+        request(prod, cons, 10_000 + n, 64)  # session setup and first-contact costs stay out of the figures
+        runs = [request(prod, cons, n * 100 + r, n) for r in range(reps)]
+    finally:
+        cons.close()
+        prod.close()
+    med = {k: statistics.median(r[k] for r in runs) for k in ("e2e_s", "sched_s", "worker_cpu_s")}
+    return {"chunks": n, "reps": reps, "all_ok": all(r["ok"] for r in runs), **med,
+            "sched_us_per_chunk": med["sched_s"] / n * 1e6, "worker_us_per_chunk": med["worker_cpu_s"] / n * 1e6,
+            "e2e_us_per_chunk": med["e2e_s"] / n * 1e6, "runs": runs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64,1024,8192,65536")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    os.environ.setdefault("P2PWORKER_SECRET", "scale-keys-bench")
+    import vllm
+
+    out = {"vllm": vllm.__version__, "row_bytes": ROW, "results": []}
+    print(f"{'chunks':>8} {'sched us/chunk':>15} {'worker us/chunk':>16} {'e2e us/chunk':>13} {'e2e ms':>9}  ok")
+    for n in (int(x) for x in args.sizes.split(",")):
+        r = measure(n, args.reps)
+        out["results"].append(r)
+        print(f"{n:>8} {r['sched_us_per_chunk']:>15.2f} {r['worker_us_per_chunk']:>16.2f} "
+              f"{r['e2e_us_per_chunk']:>13.2f} {r['e2e_s'] * 1e3:>9.1f}  {r['all_ok']}", flush=True)
+    by = {r["chunks"]: r for r in out["results"]}
+    if 1024 in by and 65536 in by:
+        out["ratio_65536_vs_1024"] = {k: by[65536][k] / by[1024][k] for k in
+                                      ("sched_us_per_chunk", "worker_us_per_chunk", "e2e_us_per_chunk")}
+        print("per-chunk ratio 65,536 vs 1,024:", {k: round(v, 2) for k, v in out["ratio_65536_vs_1024"].items()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
