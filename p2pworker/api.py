@@ -96,8 +96,8 @@ class Ready(msgspec.Struct, tag="ready"):
 class JobFinished(msgspec.Struct, tag="job_finished"):
     job_id: int
     kind: str
-    success: bool
-    keys: list[bytes]
+    success: bool  # every key of the job moved
+    keys: list[bytes]  # on a failure, the keys that did move (a partial load); on success empty: not echoed back
     nbytes: int
     seconds: float
     reason: str = ""

@@ -340,8 +340,11 @@ class P2PWorkerTier(SecondaryTierManager):
     def _finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
         kind, job_keys, rid, _t0 = self._jobs.pop(job_id)
         if kind == "load":
-            asked = set(job_keys)
-            landed = [k for k in (keys or []) if k in asked]
+            if success:
+                landed = job_keys  # success: every key moved (the worker does not echo them)
+            else:
+                asked = set(job_keys)
+                landed = [k for k in (keys or []) if k in asked]
             self._results.append(JobResult(job_id, success, successful_keys=landed, transfer_time=seconds,
                                            transfer_bytes=nbytes))
             if not success:

@@ -75,7 +75,7 @@ def test_two_workers_move_blocks_byte_exact_both_ways_and_inspect_sees_them(pair
         assert dst.send(api.LoadJob(job + 2, src.ready.address, req, keys, dst_rows.tolist()))
         loads = finished(dst, {job + 2})
         stores = finished(src, {job + 1})
-        assert loads[job + 2].success and loads[job + 2].keys == keys
+        assert loads[job + 2].success and loads[job + 2].keys == []  # success: every key moved, none echoed
         assert stores[job + 1].success
         assert (rdst.array()[dst_rows] == expect).all(), f"{src.name} -> {dst.name}: bytes differ"
         job += 2
@@ -255,7 +255,7 @@ def test_65536_key_jobs_and_lookups_through_real_workers_byte_exact(shm_prefix, 
         load = finished(cons, {2}, timeout_s=120)[2]
         store = finished(prod, {1}, timeout_s=60)[1]
         elapsed = time.monotonic() - t0
-        assert load.success and load.keys == keys, load.reason
+        assert load.success and load.nbytes == n * block, load.reason
         assert store.success, store.reason
         assert (rc.array()[dst] == expect).all(), "bytes differ"
         print(f"65,536-key PD job through two workers: {elapsed:.2f} s")
