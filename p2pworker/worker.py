@@ -321,6 +321,8 @@ class Worker:
                 if news is not None:
                     self._pump(*news)
             case api.LoadJob():
+                if len(cmd.keys) > self.counters["largest_load_keys"]:  # inspect shows it (issue 13's e2e reads it)
+                    self.counters["largest_load_keys"] = len(cmd.keys)
                 if self._refuse(cmd.job_id, "load"):
                     return
                 s, why = self._session_for(cmd.address, cmd)

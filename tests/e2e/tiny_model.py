@@ -34,7 +34,8 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
                      for _ in range(rng.randrange(5, 40))) for _ in range(lines)]
 
 
-def build(out: str, seed: int = 0) -> str:
+def build(out: str, seed: int = 0, max_position_embeddings: int = CONFIG["max_position_embeddings"]) -> str:
+    """``max_position_embeddings``: the longest prompt the model takes (the long-prompt e2e needs ~52k)."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
@@ -50,7 +51,8 @@ def build(out: str, seed: int = 0) -> str:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
 
-    cfg = LlamaConfig(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **CONFIG)
+    cfg = LlamaConfig(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                      **{**CONFIG, "max_position_embeddings": max_position_embeddings})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():

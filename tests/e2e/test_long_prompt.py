@@ -1,0 +1,76 @@
+"""End to end, any prompt length (issue 13): a real PD pair of `vllm serve` answering a prompt whose KV spans more
+chunks than one ring slot could carry before (~1,500 keys per job): 52,000 tokens in blocks of 32 tokens (the
+smallest block vLLM's CPU backend accepts; 16 is refused) is 1,625 chunks, loaded by the decode engine as one job.
+
+Its own pair of engines (started after and stopped before the main e2e pair): a tiny model with 64k positions,
+``--block-size 32 --max-model-len 53248``.  Each long prefill takes ~6-9 s on this CPU backend.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import PD
+from tests.e2e.test_pd import assert_same, baseline
+from tests.e2e.tiny_model import prompt
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 32
+N_TOKENS = 52_000  # one word of tiny_model.WORDS (with its space) is one token
+MAX_MODEL_LEN = 53_248
+
+
+@pytest.fixture(scope="module")
+def long_pd(tmp_path_factory):
+    from tests.e2e.tiny_model import build
+
+    model = build(str(tmp_path_factory.mktemp("tiny-llama-64k")), seed=0, max_position_embeddings=65_536)
+    pair = PD(model, str(tmp_path_factory.mktemp("pd-long")))
+    pair.env.update({
+        "VLLM_ARGS": f"--enforce-eager --dtype float32 --block-size {BLOCK} --max-model-len {MAX_MODEL_LEN} "
+                     f"--max-num-batched-tokens 16384 --max-num-seqs 4",
+        "CPU_BYTES": str(256 << 20),  # 1,625 chunks of 64 KiB (2 layers x K,V x 4 heads x 32 dims x 32 tokens x fp32)
+    })
+    p = pair.script("start")
+    assert p.returncode == 0, f"scripts/pd.sh start failed:\n{p.stdout}\n{p.stderr}"
+    try:
+        yield pair
+    finally:
+        p = pair.script("stop", timeout_s=120)
+        left = pair.leftovers()
+        assert p.returncode == 0 and not left, f"pd.sh stop rc={p.returncode}, leftovers {left}:\n{p.stderr}"
+
+
+def _largest_load(pd: PD) -> int:
+    """The largest load job (keys) the decode engine's worker has seen, from `p2pworker inspect --json`."""
+    (admin,) = glob.glob(f"/tmp/p2pworker-vllm-{pd.engine_id('decode')}*.admin")
+    res = subprocess.run([str(Path(sys.executable).with_name("p2pworker")), "inspect", "--json", "--admin", admin],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    (st,) = json.loads(res.stdout)
+    return int(st["counters"].get("largest_load_keys", 0))
+
+
+def test_a_1625_chunk_prompt_through_pd_equals_the_single_engine(long_pd):
+    pd = long_pd
+    text = prompt(N_TOKENS, seed=7000)
+    want = baseline(pd, text)
+    before = pd.p2p_cached()
+    got = pd.complete("proxy", text)
+    cached = pd.p2p_cached() - before
+    assert_same(got, want, f"{N_TOKENS}-token prompt")
+    chunks = cached // BLOCK
+    assert chunks > 1600, f"decode served {cached} prompt tokens ({chunks} chunks) from P2P, want > 1,600 chunks"
+    assert cached >= (N_TOKENS - 2 * BLOCK) // BLOCK * BLOCK, f"decode served only {cached} of {N_TOKENS} from P2P"
+    largest = _largest_load(pd)
+    assert largest > 1600, f"the decode worker's largest load job had {largest} keys: the prompt did not go as one"
+    pd.report["long_prompt"] = {"prompt_tokens": N_TOKENS, "p2p_tokens": cached, "largest_load_keys": largest}
+    print("\nlong prompt:", pd.report["long_prompt"])
