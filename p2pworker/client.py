@@ -15,8 +15,10 @@ import sys
 import time
 from typing import Callable
 
+import msgspec
+
 from p2pworker import api
-from p2pworker.errors import P2PError, PeerDead
+from p2pworker.errors import MessageTooLarge, P2PError, PeerDead
 from p2pworker.shm import RegionHandle, Ring, Role
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,14 @@ class WorkerClient:
             self.cmd.flush()
         out, self.backlog = self.backlog, []
         while True:
-            ev = self.evt.try_get()
+            try:
+                ev = self.evt.try_get()
+            except (msgspec.MsgspecError, UnicodeDecodeError, MessageTooLarge) as e:
+                log.error("worker %s: event dropped: %s", self.name, e)  # consumed: the next one is intact
+                continue
+            except P2PError:
+                self.backlog = out  # what was read is delivered by the next poll, not lost with this error
+                raise
             if ev is None:
                 return out
             out.append(ev)
@@ -150,7 +159,7 @@ class WorkerClient:
         code = None
         if self.proc is not None:
             if self.proc.poll() is None:
-                self.send(api.Shutdown("client closing"))
+                self._send_within(api.Shutdown("client closing"), min(timeout_s, 5.0))
                 try:
                     code = self.proc.wait(timeout_s)
                 except subprocess.TimeoutExpired:
@@ -167,6 +176,19 @@ class WorkerClient:
         if self.admin_path and os.path.exists(self.admin_path):  # a killed worker could not remove it
             os.unlink(self.admin_path)
         return code
+
+    def _send_within(self, cmd: api.Command, timeout_s: float) -> bool:
+        """Tools and shutdown only: send, finishing a command that spans slots first, for up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.cmd.flush() and self.send(cmd):
+                    return True
+            except P2PError:
+                return False
+            if time.monotonic() >= deadline or not self.alive():
+                return False
+            time.sleep(0.001)
 
     def __enter__(self) -> "WorkerClient":
         return self

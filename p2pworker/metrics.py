@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 class Metrics:
     def __init__(self, port: int, worker) -> None:
+        self._worker = worker
         self.registry = reg = CollectorRegistry()
         self.bytes = Counter("p2pworker_bytes_total", "KV bytes moved", ["direction"], registry=reg)
         self.blocks = Counter("p2pworker_blocks_total", "KV blocks moved", ["direction"], registry=reg)
@@ -31,7 +32,9 @@ class Metrics:
         self.jobs.labels(ev.kind, "ok" if ev.success else "failed").inc()
         self.latency.labels(ev.kind).observe(ev.seconds)
         self.bytes.labels(direction).inc(ev.nbytes)
-        self.blocks.labels(direction).inc(len(ev.keys))
+        region = self._worker.region  # blocks from bytes: a successful job's keys are not echoed in its event
+        if region is not None and region.block_bytes:
+            self.blocks.labels(direction).inc(ev.nbytes // region.block_bytes)
 
     def close(self) -> None:
         self._server.shutdown()

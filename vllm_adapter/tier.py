@@ -368,6 +368,11 @@ class P2PWorkerTier(SecondaryTierManager):
         client, box = self._client, self._outbox
         if client is None or not self._ready:
             return
+        try:
+            client.flush()  # the tail of a command that spans slots goes first (never blocks)
+        except P2PError as e:
+            log.error("command ring: %s", e)
+            return
         sent = 0
         for cmd in box:
             try:
@@ -505,8 +510,7 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._results or self._asking or self._lookups or self._to_serve
-                    or self._outbox) or (
-            self._client is None)
+                    or self._outbox) or self._client is None or self._client.cmd.pending_bytes > 0
 
     def drain_jobs(self) -> None:
         """Wait (the contract of this call) until every submitted job is reported; bounded."""

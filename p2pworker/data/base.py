@@ -131,7 +131,7 @@ class TransferStats:
     descriptors: int = 0  # descriptors posted (one per run per piece)
     posts: int = 0
     last_descriptors: int = 0  # descriptors of the last submitted transfer
-    per_peer_bytes: dict[str, int] = field(default_factory=dict)  # bytes read, per peer key
+    per_peer_bytes: dict[str, int] = field(default_factory=dict)  # bytes read, per live peer key (dropped with it)
 
 
 class DataTransport(abc.ABC):

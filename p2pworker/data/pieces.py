@@ -171,6 +171,8 @@ class PieceTransport(DataTransport):
 
     def _unref(self, peer: Peer) -> None:
         """Drop ``peer``'s reference; forget its remote agent when it was the last one."""
+        if peer.key not in self._peers:  # the key is gone for good (not re-added): so is its byte count
+            self.stats.per_peer_bytes.pop(peer.key, None)
         remote = peer.remote
         remote.refs.discard(peer)
         if remote.refs or self._remotes.get(remote.name) is not remote:

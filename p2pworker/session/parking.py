@@ -34,6 +34,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from p2pworker.limits import MAX_JOB_KEYS
 from p2pworker.session.reporter import Reporter
 
 
@@ -109,6 +110,10 @@ class ParkingLot:
         if len(keys) != len(rows) or not keys:
             self.reporter.done(job_id, False, (), 0, now, f"bad store: {len(keys)} keys, {len(rows)} rows")
             return None
+        if len(keys) > MAX_JOB_KEYS:
+            self.reporter.done(job_id, False, (), 0, now, f"store of {len(keys)} keys exceeds the hard limit of "
+                                                          f"{MAX_JOB_KEYS} keys per job (p2pworker.limits)")
+            return None
         p = self.parcel(request_id)
         if p.finished and p.served and p.lease is None:
             self.reporter.done(job_id, False, (), 0, now, "request already served")
@@ -169,6 +174,9 @@ class ParkingLot:
             else:
                 unread.append(key)
         self._fail_keys(p, unread, reason, now)
+        # The lease stays referenced from the deadline heap until its hold_until: keep nothing big alive with it
+        # (a 65,536-key lease's tables are ~9 MB).
+        lease.offered, lease.pending, lease.read = {}, {}, []
         self.maybe_close(p)
 
     def abandon(self, p: Parcel, reason: str) -> None:

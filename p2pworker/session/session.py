@@ -153,7 +153,6 @@ class SessionConfig:
     max_lease_s: float = 300.0  # the longest lease a producer grants
     max_queued: int = 10_000  # messages held while the handshake is pending
     max_inbound_lookups: int = 1024
-    max_done_rounds: int = 10_000  # finished rounds remembered, so late offers are ignored, not errors
 
 
 class Rounds:
@@ -242,11 +241,16 @@ class Session:
         self._loads: dict[int, _Load] = {}  # round -> load
         self._reads: dict[int, _Load] = {}  # pending read id -> its load
         self._next_read = 0
-        self._done_rounds: dict[int, None] = {}  # rounds reported: late offers for them are ignored
+        # Late offers (they crossed our Release, or came after our deadline) are ignored, not errors: any round at
+        # or below the highest one this session issued and no longer open.  Rounds only grow (worker-wide), so one
+        # number replaces a set of finished rounds (a 10,000-entry dict cost ~0.9 MB per session in the soak).
+        self._max_round = 0
         self._lookups: dict[int, _Asked] = {}  # lookups we sent, not answered in full yet
         self._inbound: dict[int, _Inbound] = {}  # a peer's lookups whose parts are still arriving
         self._serving: dict[int, int] = {}  # inbound lookup id -> keys asked (waiting for answer_lookup)
         self._parcels: set[Parcel] = set()  # parcels whose lease this session serves
+        self._fetch_open: Lease | None = None  # the lease whose Fetch parts are still arriving
+        self._withdrawn: set[int] = set()  # rounds whose queued Fetch parts must not be sent (see _report)
         self._data_added = False
         self.stuck = ""  # set when posted reads never settle: the worker must exit (see tick)
         self.quiet_close = False  # closed after answering a probe: the peer hangs up itself
@@ -326,8 +330,10 @@ class Session:
         self.state = State.ACTIVE
         self.ctx.reporter.emit(SessionUp(peer_id))
         queued, self._queue = self._queue, []
+        withdrawn, self._withdrawn = self._withdrawn, set()
         for msg in queued:
-            self._emit(msg)
+            if not (isinstance(msg, m.Fetch) and msg.round in withdrawn):
+                self._emit(msg)
 
     def _on_hello(self, msg: m.Hello) -> None:
         ctx = self.ctx
@@ -446,7 +452,7 @@ class Session:
                                                           f"handshake with {self.peer_id or 'the peer'}")
             return []
         lease_s = ctx.config.load_timeout_s
-        rnd = ctx.rounds.next()
+        rnd = self._max_round = ctx.rounds.next()
         # The deadline is taken BEFORE the Fetch is sent (or queued): the producer's hold starts later.
         load = self._loads[rnd] = _Load(job_id, request_id, rnd, granted, now + lease_s,
                                         handshake_by=now + ctx.config.handshake_timeout_s)
@@ -474,10 +480,10 @@ class Session:
 
     def _on_offer(self, msg: m.Offer) -> None:
         load = self._loads.get(msg.round)
+        if load is None and 0 < msg.round <= self._max_round:
+            self.counters["late_offers"] += 1  # crossed our Release, or came after our deadline
+            return
         if load is None or load.request_id != msg.request_id:
-            if msg.round in self._done_rounds:
-                self.counters["late_offers"] += 1  # crossed our Release, or came after our deadline
-                return
             raise RemoteProtocolError(f"offer for {msg.request_id!r} round {msg.round} that was never fetched")
         nb = self.peer_info.num_blocks
         local: list[int] = []
@@ -538,17 +544,13 @@ class Session:
         for rid in load.reads:  # only on a settle time-out: those reads are given up on
             self._reads.pop(rid, None)
         del self._loads[load.round]
-        self._done_rounds[load.round] = None
-        if len(self._done_rounds) > ctx.config.max_done_rounds:
-            del self._done_rounds[next(iter(self._done_rounds))]
         n = len(load.rows)
         ok = len(load.read_ok) == n and load.phase is LoadPhase.WAITING
         reason = "" if ok else load.reason or f"{n - len(load.read_ok)} of {n} keys did not arrive"
         ctx.reporter.done(load.job_id, ok, load.read_ok, len(load.read_ok) * ctx.data_info.block_bytes,
                           ctx.clock(), reason)
         if self.state is not State.ACTIVE and load.fetches:
-            withdrawn = set(map(id, load.fetches))  # never sent: nothing leased, nothing to release
-            self._queue = [msg for msg in self._queue if id(msg) not in withdrawn]
+            self._withdrawn.add(load.round)  # never sent: nothing leased, nothing to release (O(1): skipped later)
             return
         for _, part_keys, more in _parts(load.read_ok):
             self._send(m.Release(load.request_id, load.round, part_keys, more))
@@ -584,8 +586,11 @@ class Session:
         if msg.part == 0:
             if inb is not None or msg.lookup_id in self._serving:
                 raise RemoteProtocolError(f"lookup {msg.lookup_id} asked again while the first is open")
-            if len(self._inbound) >= limit:
-                raise RemoteProtocolError(f"more than {limit} lookups left unfinished (their last part never came)")
+            if self._inbound:
+                # A peer sends all parts of a lookup back to back (lookup() emits them at once), so at most one is
+                # ever unfinished: a second one is abuse that would hold up to MAX_JOB_KEYS keys each, forever.
+                raise RemoteProtocolError(f"lookup {msg.lookup_id} started before lookup {next(iter(self._inbound))} "
+                                          f"sent its last part")
             inb = self._inbound[msg.lookup_id] = _Inbound(msg.request_id, refused=len(self._serving) >= limit)
         elif inb is None or msg.part != inb.parts or msg.request_id != inb.request_id:
             raise RemoteProtocolError(f"lookup {msg.lookup_id}: part {msg.part} out of order")
@@ -626,6 +631,11 @@ class Session:
         if msg.part:
             self._on_fetch_part(msg)
             return
+        if self._fetch_open is not None and self._fetch_open.more and self._fetch_open.owner is self:
+            # Parts of one Fetch go back to back (load() emits them at once): a new round before the last part of
+            # the previous one is abuse (each unfinished round could hold up to MAX_JOB_KEYS keys).
+            raise RemoteProtocolError(f"fetch {msg.request_id!r} round {msg.round} started before round "
+                                      f"{self._fetch_open.round} sent its last part")
         lease_s = msg.lease_ms / 1000
         if lease_s > ctx.config.max_lease_s:
             self._emit(m.Offer(msg.request_id, msg.round, [], [], True,
@@ -642,6 +652,7 @@ class Session:
                       now + lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S, more=msg.more, parts=1)
         lot.bind(p, lease)
         self._parcels.add(p)
+        self._fetch_open = lease if msg.more else None
         self._offer(p)
 
     def _on_fetch_part(self, msg: m.Fetch) -> None:

@@ -381,8 +381,9 @@ class Ring:
     def put_bytes(self, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
         """Publish ``data`` whole, waiting for free slots up to ``timeout_s`` in all.
 
-        Raises ``TimeoutError`` when the ring stays full (a message that spans
-        slots may then be partly published: :meth:`flush` finishes it),
+        Raises ``TimeoutError`` when the ring stays full.  A message that spans
+        slots may then be partly published and is still owned by the ring:
+        :meth:`flush` finishes it; putting it again would deliver it twice.
         ``PeerDead`` when the consumer is gone, ``MessageTooLarge`` when
         ``data`` exceeds ``max_message_bytes``.
         """

@@ -32,6 +32,16 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def rss_anon_kib(pid: int) -> int:
+    """Anonymous resident memory (heap, stacks): what a leak grows.  VmRSS also counts the shared-memory rings'
+    and region's pages as they are first touched, and library pages as they are first run."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise RuntimeError("no RssAnon")
+
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -267,6 +268,49 @@ def test_65536_key_jobs_and_lookups_through_real_workers_byte_exact(shm_prefix, 
         assert prod.send(api.AnswerLookup(ask.peer_id, ask.lookup_id, present))
         got = cons.wait_for(lambda e: isinstance(e, api.LookupResult), timeout_s=60)
         assert got.lookup_id == 7 and got.present == present
+    finally:
+        codes = [c.close() for c in clients]
+        for reg in regions:
+            reg.close()
+    assert codes == [0, 0], f"worker exit codes {codes}"
+
+
+@pytest.mark.timeout(300)
+def test_a_job_larger_than_the_whole_command_ring_goes_through(shm_prefix, tmp_path):
+    """500,000 keys: the LoadJob is ~19 MB, more than the command ring's 256 slots of 64 KiB (16 MiB), so the
+    adapter side publishes it as the worker frees slots (client.poll/flush, never blocking), and the worker's
+    events come back the same way.  Byte-exact, each job reported once."""
+    n, block = 500_000, 64
+    regions, clients = [], []
+    try:
+        for i, name in enumerate(("ra", "rb")):
+            reg = KVRegion.create(f"{shm_prefix}{name}", n, block, segment_bytes=n * block)
+            reg.array()[:] = np.random.default_rng(i).integers(0, 256, size=(n, block), dtype=np.uint8)
+            regions.append(reg)
+            c = WorkerClient(name, args=["--port", "0", "--admin", str(tmp_path / f"{name}.admin")], env=ENV)
+            clients.append(c)
+        for c, reg in zip(clients, regions):
+            c.attach(reg.handle, {"model": "test"})
+        (prod, cons), (rp, rc) = clients, regions
+        src, dst = np.arange(n), np.random.default_rng(4).permutation(n)
+        keys = [i.to_bytes(32, "little") for i in range(n)]
+        load = api.LoadJob(2, prod.ready.address, "huge", keys, dst.tolist())
+        assert len(msgspec.msgpack.encode(load)) > api.RING_NSLOTS * api.RING_SLOT_BYTES
+        expect = rp.array()[src].copy()
+        t0 = time.monotonic()
+        assert prod.send(api.StoreJob(1, "huge", keys, src.tolist()))
+        assert prod.cmd.pending_bytes > 0  # taken, partly out
+        assert cons.send(load)
+        while prod.cmd.pending_bytes:  # what the tier's polls do
+            prod.poll()
+            time.sleep(0.001)
+        assert prod.send(api.RequestFinished("huge"))
+        got = finished(cons, {2}, timeout_s=240)[2]
+        assert got.success, got.reason
+        assert finished(prod, {1}, timeout_s=60)[1].success
+        assert (rc.array()[dst] == expect).all(), "bytes differ"
+        print(f"500,000-key PD job (LoadJob of {len(msgspec.msgpack.encode(load)) / 2**20:.1f} MiB) through two "
+              f"workers: {time.monotonic() - t0:.2f} s")
     finally:
         codes = [c.close() for c in clients]
         for reg in regions:

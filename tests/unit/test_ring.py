@@ -244,3 +244,29 @@ def test_blocked_producer_is_woken_by_a_get(pair):
     prod.put(Cmd(8), timeout_s=5)
     assert 0.15 < time.monotonic() - t0 < 1.0
     t.join()
+
+
+def test_a_producer_that_closes_mid_message_delivers_nothing_of_it(pair):
+    """The consumer has the first slots of a message when the producer closes: the partial message is never
+    returned (it is not a message), the peer is reported closed, and the ring does not hang."""
+    prod, cons = pair
+    prod.put_bytes(b"whole", timeout_s=1)
+    assert prod.try_put_bytes(os.urandom(5000))  # 8 slots out, the rest pending
+    assert cons.try_get_bytes() == b"whole"
+    assert cons.try_get_bytes() is None  # 7 slots read into the reassembly buffer, still incomplete
+    prod.close()  # with bytes still pending: they are dropped with the producer
+    assert cons.try_get_bytes() is None
+    with pytest.raises(PeerDead, match="closed"):
+        cons.get_bytes(timeout_s=0.5)
+
+
+def test_a_corrupt_slot_length_is_consumed_and_reported(pair):
+    prod, cons = pair
+    prod.put_bytes(b"x", timeout_s=1)
+    w = memoryview(prod._mm).cast("Q")
+    w[HEADER_BYTES >> 3] = 10_000  # slot 0's length word, beyond the slot
+    with pytest.raises(RingError, match="corrupt"):
+        cons.try_get_bytes()
+    w.release()
+    prod.put_bytes(b"after", timeout_s=1)
+    assert cons.get_bytes(timeout_s=1) == b"after"

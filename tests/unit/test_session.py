@@ -677,3 +677,65 @@ def test_jobs_and_lookups_over_the_hard_limit_fail_at_once_naming_it():
     [answer] = [e for e in events if isinstance(e, LookupAnswer)]
     assert answer.present is None and f"hard limit of {MAX_JOB_KEYS}" in answer.reason
     assert p.a.outbox == []  # nothing sent
+
+
+def test_a_peer_cannot_leave_lookups_or_fetches_unfinished_to_grow_our_memory(monkeypatch):
+    """An honest peer sends the parts of one lookup (one Fetch) back to back.  A second one started before the
+    first's last part is a protocol error, so unfinished parts hold at most one lookup and one round per session."""
+    monkeypatch.setattr(m, "MAX_KEYS", 2)
+    p = Pair().handshake()
+    p.b.receive(m.encode(m.Lookup(1, "req", [b"a", b"b"], part=0, more=True)))
+    p.b.receive(m.encode(m.Lookup(2, "req", [b"c"], part=0, more=True)))
+    assert p.sb.state is State.CLOSED and "started before lookup 1" in p.sb.close_reason
+    p = Pair().handshake()
+    p.b.receive(m.encode(m.Fetch("r1", 5, [b"a", b"b"], 30_000, part=0, more=True)))
+    p.b.receive(m.encode(m.Fetch("r2", 6, [b"c"], 30_000, part=0, more=True)))
+    assert p.sb.state is State.CLOSED and "started before round 5" in p.sb.close_reason
+
+
+def test_lookup_parts_are_validated_on_both_sides(monkeypatch):
+    monkeypatch.setattr(m, "MAX_KEYS", 2)
+    p = Pair().handshake()
+    p.b.receive(m.encode(m.Lookup(1, "req", [b"a"], part=1)))  # a part 1 with no part 0
+    assert p.sb.state is State.CLOSED and "part 1 out of order" in p.sb.close_reason
+    p = Pair().handshake()
+    p.b.receive(m.encode(m.Lookup(1, "req", [b"a"])))
+    p.b.receive(m.encode(m.Lookup(1, "req", [b"a"])))  # the same id while the first is served
+    assert p.sb.state is State.CLOSED and "asked again" in p.sb.close_reason
+    p = Pair().handshake()
+    p.a.lookup(3, [b"a", b"b", b"c"], "req")
+    p.a.receive(m.encode(m.LookupResp(3, [True, True], more=True)))
+    p.a.receive(m.encode(m.LookupResp(3, [True, False], more=True)))  # 4 answers for 3 keys
+    assert p.sa.state is State.CLOSED and "4 answers for 3 keys" in p.sa.close_reason
+    [answer] = [e for e in p.a.events() if isinstance(e, LookupAnswer)]
+    assert answer.lookup_id == 3 and answer.present is None  # failed once, by the close
+
+
+def test_release_parts_naming_unoffered_keys_or_outliving_the_lease(monkeypatch):
+    monkeypatch.setattr(m, "MAX_KEYS", 2)
+    keys = [b"k%d" % i for i in range(4)]
+    p = Pair().handshake()
+    p.b.store(1, "req", keys, [10, 11, 12, 13])
+    p.a.load(100, "req", keys, [0, 1, 2, 3])
+    p.deliver()
+    rnd = p.b.lot.parcels["req"].lease.round
+    p.b.receive(m.encode(m.Release("req", rnd, [b"k0", b"k1"], more=True)))
+    p.b.receive(m.encode(m.Release("req", rnd, [b"k0", b"k1"], more=True)))
+    p.b.receive(m.encode(m.Release("req", rnd, [b"k2"], more=True)))  # 5 named, 4 offered
+    assert p.sb.state is State.CLOSED and "more keys than were offered" in p.sb.close_reason
+    # the lease runs out between two Release parts: the rows are released by the lease's end, once; the last
+    # part is stale (counted), and the store job is reported exactly once, failed (no complete Release came)
+    p = Pair().handshake()
+    p.b.store(1, "req", keys, [10, 11, 12, 13])
+    p.a.load(100, "req", keys, [0, 1, 2, 3])
+    p.deliver()
+    rnd = p.b.lot.parcels["req"].lease.round
+    p.b.receive(m.encode(m.Release("req", rnd, [b"k0", b"k1"], more=True)))
+    assert p.b.lot.parcels["req"].lease is not None
+    p.advance(31)
+    p.b.tick()
+    assert p.b.lot.parcels.get("req") is None or p.b.lot.parcels["req"].lease is None
+    p.b.receive(m.encode(m.Release("req", rnd, [b"k2", b"k3"])))
+    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_releases"] == 1
+    stores = jobs(p.b.events())
+    assert list(stores) == [1] and not stores[1].success

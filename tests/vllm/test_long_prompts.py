@@ -100,7 +100,7 @@ def test_jobs_past_the_limits_fail_cleanly_and_the_engine_keeps_serving(free_por
     """The hard limits are 1,048,576 keys per job and 256 MiB per ring message (p2pworker.limits); both are lowered
     here so that a job can cross them cheaply.  Crossing either fails that job through vLLM's normal failure path
     (the request recomputes), raises nothing into the scheduler, and the next request is served."""
-    n = 2048
+    n = 4096
     prefill, decode = _engines(free_port, n)
     try:
         monkeypatch.setattr(api, "MAX_JOB_KEYS", 600)
@@ -123,8 +123,8 @@ def test_jobs_past_the_limits_fail_cleanly_and_the_engine_keeps_serving(free_por
         assert decode.tier.counters()["loads_failed"] == 2
         decode.tier._client.cmd.max_message_bytes = api.RING_MAX_MESSAGE_BYTES
 
-        # ...and the engine serves the next long request.
-        ids = list(range(1700, 2048))
+        # ...and the engine serves the next long request (2,000 chunks: its command spans slots).
+        ids = list(range(1700, 3700))
         prefill.store("p3", ids, {"remote_decoder": {"kv_request_id": "kv-after"}})
         ctx3 = _consumer(decode, prefill, "d3", "kv-after")
         assert decode.lookup(ctx3, ids) == [LookupResult.HIT_PENDING] * len(ids)
