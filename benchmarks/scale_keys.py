@@ -14,7 +14,9 @@ warm requests (a 64-chunk request opens the session first), and per chunk:
 - sched_us: scheduler-thread time inside every tier method (both engines' tiers: store, cascade, lookups,
   submit_load, polls), divided by N;
 - worker_us: CPU time (user + system) of both worker processes over the request, divided by N;
-- e2e_us: first consumer lookup (HIT_PENDING) -> load job reported -> every chunk HIT, divided by N.
+- load_us: submit_load (the scheduler step that submits the one load job) -> the job reported, divided by N;
+- e2e_us: first consumer lookup (HIT_PENDING) -> load job reported -> every chunk HIT, divided by N (includes
+  vLLM's own manager work for 2N lookups).
 """
 
 from __future__ import annotations
@@ -55,12 +57,12 @@ def _payloads(tag: int, n: int) -> np.ndarray:
 
 
 class Engine:
-    def __init__(self, role: str, n: int):
+    def __init__(self, role: str, n: int, capacity: int):
         from vllm.v1.kv_offload.base import ScheduleEndContext
 
         self._end = ScheduleEndContext
         self.port = _free_port()
-        self.mgr = build("ours", role, self.port, ROW, 2 * n + 8)
+        self.mgr = build("ours", role, self.port, ROW, capacity)
         self.tier = self.mgr.secondary_tiers[0]
         self.timed = Timed(self.tier)
         self.view = np.asarray(self.tier._primary_kv_view)
@@ -105,6 +107,7 @@ def request(prod: Engine, cons: Engine, tag: int, n: int) -> dict:
         cons.mgr.on_new_request(ctx)
     with cons.mgr.lock:
         res = [cons.mgr.lookup(k, ctx) for k in keys]  # HIT_PENDING: promotions queued
+    t_submit = time.perf_counter()
     cons.step([ctx.req_id])  # submit_load: one job of n keys
     deadline = time.monotonic() + 300
     while cons.mgr._jobs:  # the load in flight: both schedulers step every ~1 ms, as engines do
@@ -113,6 +116,7 @@ def request(prod: Engine, cons: Engine, tag: int, n: int) -> dict:
         time.sleep(0.001)
         cons.step()
         prod.step()
+    load_s = time.perf_counter() - t_submit
     with cons.mgr.lock:
         res = [cons.mgr.lookup(k, ctx) for k in keys]
     e2e = time.perf_counter() - t0
@@ -134,22 +138,23 @@ def request(prod: Engine, cons: Engine, tag: int, n: int) -> dict:
         for name, times in e.timed.take().items():
             by_method[f"{side}.{name}"] = sum(times)
     worker = _cpu_s(prod.pid) + _cpu_s(cons.pid) - cpu0
-    return {"ok": ok, "e2e_s": e2e, "sched_s": sum(by_method.values()), "worker_cpu_s": worker,
+    return {"ok": ok, "e2e_s": e2e, "load_s": load_s, "sched_s": sum(by_method.values()), "worker_cpu_s": worker,
             "sched_s_by_method": by_method}
 
 
-def measure(n: int, reps: int) -> dict:
-    prod, cons = Engine("P", n), Engine("D", n)
+def measure(n: int, reps: int, capacity_factor: int) -> dict:
+    cap = capacity_factor * n + 128
+    prod, cons = Engine("P", n, cap), Engine("D", n, cap)
     try:
         request(prod, cons, 10_000 + n, 64)  # session setup and first-contact costs stay out of the figures
         runs = [request(prod, cons, n * 100 + r, n) for r in range(reps)]
     finally:
         cons.close()
         prod.close()
-    med = {k: statistics.median(r[k] for r in runs) for k in ("e2e_s", "sched_s", "worker_cpu_s")}
-    return {"chunks": n, "reps": reps, "all_ok": all(r["ok"] for r in runs), **med,
+    med = {k: statistics.median(r[k] for r in runs) for k in ("e2e_s", "load_s", "sched_s", "worker_cpu_s")}
+    return {"chunks": n, "reps": reps, "capacity_chunks": cap, "all_ok": all(r["ok"] for r in runs), **med,
             "sched_us_per_chunk": med["sched_s"] / n * 1e6, "worker_us_per_chunk": med["worker_cpu_s"] / n * 1e6,
-            "e2e_us_per_chunk": med["e2e_s"] / n * 1e6, "runs": runs}
+            "e2e_us_per_chunk": med["e2e_s"] / n * 1e6, "load_us_per_chunk": med["load_s"] / n * 1e6, "runs": runs}
 
 
 def main() -> None:
@@ -157,21 +162,26 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,1024,8192,65536")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default="")
+    ap.add_argument("--capacity-factor", type=int, default=0,
+                    help="each engine's CPU tier holds this many requests' chunks (default reps + 2: no request "
+                         "evicts another; 2: from the third request on, rows freed by eviction are reused)")
     args = ap.parse_args()
     os.environ.setdefault("P2PWORKER_SECRET", "scale-keys-bench")
     import vllm
 
     out = {"vllm": vllm.__version__, "row_bytes": ROW, "results": []}
-    print(f"{'chunks':>8} {'sched us/chunk':>15} {'worker us/chunk':>16} {'e2e us/chunk':>13} {'e2e ms':>9}  ok")
+    print(f"{'chunks':>8} {'sched us/chunk':>15} {'worker us/chunk':>16} {'load us/chunk':>14} {'e2e us/chunk':>13} "
+          f"{'e2e ms':>9}  ok")
     for n in (int(x) for x in args.sizes.split(",")):
-        r = measure(n, args.reps)
+        r = measure(n, args.reps, args.capacity_factor or args.reps + 2)
         out["results"].append(r)
-        print(f"{n:>8} {r['sched_us_per_chunk']:>15.2f} {r['worker_us_per_chunk']:>16.2f} "
+        print(f"{n:>8} {r['sched_us_per_chunk']:>15.2f} {r['worker_us_per_chunk']:>16.2f} {r['load_us_per_chunk']:>14.2f} "
               f"{r['e2e_us_per_chunk']:>13.2f} {r['e2e_s'] * 1e3:>9.1f}  {r['all_ok']}", flush=True)
     by = {r["chunks"]: r for r in out["results"]}
     if 1024 in by and 65536 in by:
         out["ratio_65536_vs_1024"] = {k: by[65536][k] / max(by[1024][k], 1e-9) for k in
-                                      ("sched_us_per_chunk", "worker_us_per_chunk", "e2e_us_per_chunk")}
+                                      ("sched_us_per_chunk", "worker_us_per_chunk", "load_us_per_chunk",
+                                       "e2e_us_per_chunk")}
         print("per-chunk ratio 65,536 vs 1,024:", {k: round(v, 2) for k, v in out["ratio_65536_vs_1024"].items()})
     if args.json:
         with open(args.json, "w") as f:
