@@ -31,7 +31,9 @@ def main() -> None:
 @click.option("--no-auth", is_flag=True, help="Disable control-plane authentication (logs a warning).")
 @click.option("--wait-rings", "wait_rings_s", type=float, default=None,
               help="Wait up to this many seconds for the adapter to create the rings (operator-launched worker).")
-@click.option("-v", "--verbose", count=True)
+@click.option("-v", "--verbose", count=True,
+              help="-v: p2pworker's own DEBUG logs; -vv: every library's too.  Without it the level is "
+                   "$P2PWORKER_LOG_LEVEL, else $VLLM_LOGGING_LEVEL (the engine that spawned us), else INFO.")
 def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, metrics_port, no_auth, wait_rings_s,
            verbose) -> None:
     """Run a worker in the foreground (what the adapter spawns; an operator can run it by hand).
@@ -43,8 +45,9 @@ def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, 
     from p2pworker.config import load_config
     from p2pworker.worker import Worker
 
-    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root_level, own_level = log_levels(verbose, os.environ)
+    logging.basicConfig(level=root_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("p2pworker").setLevel(own_level)
     over: dict = {"rings": rings}
     control: dict = {}
     for key, value in (("host", host), ("port", port), ("dp_index", dp_index)):
@@ -73,6 +76,20 @@ def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, 
     sys.exit(worker.run())
 
 
+def log_levels(verbose: int, env) -> tuple[int, int]:
+    """(root level, p2pworker's level) for ``-v`` count ``verbose``: 0 -> $P2PWORKER_LOG_LEVEL, else
+    $VLLM_LOGGING_LEVEL, else INFO, for both; 1 -> p2pworker at DEBUG; 2+ -> everything at DEBUG."""
+    import logging
+
+    name = (env.get("P2PWORKER_LOG_LEVEL") or env.get("VLLM_LOGGING_LEVEL") or "INFO").upper()
+    base = logging.getLevelName(name)
+    if not isinstance(base, int):
+        base = logging.INFO  # an unknown name: not worth failing a worker start over
+    if verbose >= 2:
+        return logging.DEBUG, logging.DEBUG
+    return base, logging.DEBUG if verbose == 1 else base
+
+
 def _admin_paths(admin: str | None) -> list[str]:
     if admin:
         return [admin]
@@ -92,7 +109,9 @@ def _table(rows: list[list], header: list[str]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--timeout", "timeout_s", default=3.0, show_default=True)
 def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
-    """Show workers: peers, session states, jobs in flight, bytes, errors, uptime."""
+    """Show workers: peers, session states, jobs in flight, bytes, errors, uptime.
+
+    Exit status 0 when every worker found answered, 1 when one did not or none was found."""
     from p2pworker.admin import query
 
     out = []
@@ -101,12 +120,15 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
             out.append({"admin": path, **query(path, timeout_s=timeout_s)})
         except (TimeoutError, OSError) as e:
             out.append({"admin": path, "error": str(e)})
+    failed = [st for st in out if "error" in st]
     if as_json:
         click.echo(json.dumps(out, indent=2))
+        if failed or not out:
+            sys.exit(1)
         return
     if not out:
-        click.echo("no workers found (no /tmp/p2pworker-*.admin)")
-        return
+        click.echo("no workers found (no /tmp/p2pworker-*.admin)", err=True)
+        sys.exit(1)
     for st in out:
         if "error" in st:
             click.echo(f"{st['admin']}: {st['error']}\n")
@@ -121,6 +143,9 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
             rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s["close_reason"]] for s in st["sessions"]]
             click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "closed because"]).replace("\n", "\n  "))
         click.echo("")
+    if failed:
+        click.echo(f"{len(failed)} of {len(out)} worker(s) did not answer", err=True)
+        sys.exit(1)
 
 
 @main.command()
@@ -297,12 +322,19 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
 
     rows = []
     log = tempfile.NamedTemporaryFile(prefix="p2pworker-bench-", suffix=".log", delete=False)
+    t_start = time.perf_counter()
+
+    def progress(what: str) -> None:  # minutes of work: say what runs (stderr; --json output stays clean)
+        click.echo(f"bench [{time.perf_counter() - t_start:6.1f} s] {what}", err=True)
+
     for kib in block_kibs:
         bb = kib * 1024
+        progress(f"{kib} KiB blocks: raw NIXL, {', '.join(map(str, block_counts))} blocks per request")
         raw = {r["blocks"]: r["gbps_median"] for r in
                bench_geometry(bb, list(block_counts), reps=7, batch_bytes=32 << 20, only={"raw_nixl"}, patterns=("contig",))}
         with PDRig(max(block_counts) * inflight * 2, bb, backend="nixl", stderr=log) as rig:
             for n in block_counts:
+                progress(f"{kib} KiB x {n}: {requests} requests through two workers, {inflight} in flight")
                 rig.run(2, n, inflight=1, verify=False, contiguous=True)  # warm-up: sessions, connections
                 thr = rig.run(requests, n, inflight=inflight, verify=False, contiguous=True)
                 lat = rig.run(max(5, requests // 3), n, inflight=1, verify=False, contiguous=True)
@@ -325,9 +357,11 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
 @click.argument("prefix")
 @click.option("--dry-run", is_flag=True, help="List what would be removed.")
 def sweep_cmd(prefix: str, dry_run: bool) -> None:
-    """Remove /dev/shm entries starting with PREFIX left by a crashed process."""
+    """Remove /dev/shm entries starting with PREFIX left by a crashed process (e.g. p2pw_vllm-<engine id>)."""
     from p2pworker.shm.sweep import leftovers, sweep
 
+    if not prefix:
+        raise click.BadParameter("an empty prefix would match every file in /dev/shm", param_hint="PREFIX")
     paths = leftovers(prefix) if dry_run else sweep(prefix)
     for p in paths:
         click.echo(p)

@@ -110,7 +110,7 @@ cmd_stop() {
   stop_role decode &
   stop_role prefill &
   wait
-  local left=0 id
+  local left=0 id removed
   for role in prefill decode; do
     [ -f "$RUN_DIR/$role.engine_id" ] || continue
     id=$(cat "$RUN_DIR/$role.engine_id")
@@ -119,8 +119,13 @@ cmd_stop() {
       echo "pd.sh: removing leftover $f (its engine is gone)" >&2
       rm -f "$f"; left=1
     done
+    # rings of this engine's workers (the adapter names them p2pw_vllm-<engine id>_...): gone unless one crashed
+    removed=$("$VENV/bin/p2pworker" sweep "p2pw_vllm-$id" 2>/dev/null) || removed=""
+    if [ -n "$removed" ]; then
+      echo "pd.sh: removed leftover rings of $role: $removed" >&2
+      left=1
+    fi
   done
-  "$VENV/bin/p2pworker" sweep >/dev/null 2>&1 || true  # rings/regions of dead workers, if any
   return $left
 }
 

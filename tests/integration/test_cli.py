@@ -35,7 +35,8 @@ def test_sweep_removes_only_its_prefix(shm_prefix):
     res = _run("sweep", shm_prefix)
     assert res.returncode == 0 and res.stdout.split() == [mine]
     assert not os.path.exists(mine)
-    assert _run("sweep", "").returncode != 0  # an empty prefix would match everything
+    res = _run("sweep", "")  # an empty prefix would match everything: a usage error, not a traceback
+    assert res.returncode == 2 and "empty prefix" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_demo_moves_and_verifies_and_cleans_up():
@@ -46,6 +47,30 @@ def test_demo_moves_and_verifies_and_cleans_up():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(("p2pw_pd_", "p2pw_prefill_", "p2pw_decode_"))]
 
 
+def test_inspect_exit_status_says_whether_the_worker_answered(tmp_path):
+    missing = str(tmp_path / "nobody.admin")
+    for args in (("inspect", "--admin", missing), ("inspect", "--json", "--admin", missing)):
+        res = _run(*args, "--timeout", "1")
+        assert res.returncode == 1, (args, res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr
+    assert "did not answer" in _run("inspect", "--admin", missing, "--timeout", "1").stderr
+    assert json.loads(_run("inspect", "--json", "--admin", missing, "--timeout", "1").stdout)[0]["error"]
+
+
+def test_verbosity_and_the_inherited_log_level():
+    import logging
+
+    from p2pworker.cli import log_levels
+
+    assert log_levels(0, {}) == (logging.INFO, logging.INFO)
+    assert log_levels(0, {"VLLM_LOGGING_LEVEL": "WARNING"}) == (logging.WARNING, logging.WARNING)
+    assert log_levels(0, {"VLLM_LOGGING_LEVEL": "WARNING", "P2PWORKER_LOG_LEVEL": "debug"}) == (
+        logging.DEBUG, logging.DEBUG)
+    assert log_levels(1, {"VLLM_LOGGING_LEVEL": "WARNING"}) == (logging.WARNING, logging.DEBUG)  # ours only
+    assert log_levels(2, {}) == (logging.DEBUG, logging.DEBUG)
+    assert log_levels(0, {"VLLM_LOGGING_LEVEL": "nonsense"}) == (logging.INFO, logging.INFO)
+
+
 def test_bench_reports_workers_vs_raw_nixl():
     res = _run("bench", "--json", "--block-kib", "64", "--blocks", "16", "--requests", "4", "--inflight", "2",
                timeout_s=240)
@@ -53,5 +78,6 @@ def test_bench_reports_workers_vs_raw_nixl():
     (row,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert row["block_bytes"] == 65536 and row["blocks"] == 16
     assert row["workers_gbps"] > 0 and row["raw_nixl_gbps"] > 0
+    assert "bench [" in res.stderr and "64 KiB x 16" in res.stderr  # progress while it runs, on stderr
     # the printed figures are rounded independently: compare with a tolerance, never rounded value to rounded value
     assert abs(row["ratio"] - row["workers_gbps"] / row["raw_nixl_gbps"]) <= 0.002 + 0.01 * row["ratio"]
