@@ -256,7 +256,8 @@ def summarize(reps: list[dict], row: int, n: int) -> dict:
     out = {"cold_ms": round(reps[0]["s"] * 1e3, 1), "warm_ms": round(statistics.median(fetch) * 1e3, 1),
            "warm_GBps": round(row * n / statistics.median(fetch) / 1e9, 3),
            "all_ok": all(r["ok"] for r in reps)}
-    for side, field, off in (("consumer", "calls", "off_thread_s"), ("producer", "producer_calls", "producer_off_thread_s")):
+    for side, field, off in (("consumer", "calls", "off_thread_s"),
+                             ("producer", "producer_calls", "producer_off_thread_s")):
         per_call: list[float] = []
         per_req: list[float] = []
         by_name: dict[str, list[float]] = {}

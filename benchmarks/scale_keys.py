@@ -175,7 +175,8 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         r = measure(n, args.reps, args.capacity_factor or args.reps + 2)
         out["results"].append(r)
-        print(f"{n:>8} {r['sched_us_per_chunk']:>15.2f} {r['worker_us_per_chunk']:>16.2f} {r['load_us_per_chunk']:>14.2f} "
+        print(f"{n:>8} {r['sched_us_per_chunk']:>15.2f} {r['worker_us_per_chunk']:>16.2f} "
+              f"{r['load_us_per_chunk']:>14.2f} "
               f"{r['e2e_us_per_chunk']:>13.2f} {r['e2e_s'] * 1e3:>9.1f}  {r['all_ok']}", flush=True)
     by = {r["chunks"]: r for r in out["results"]}
     if 1024 in by and 65536 in by:

@@ -137,10 +137,12 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
         click.echo(f"  control {st['address']}  data {st['backend']}  fingerprint {st['fingerprint']}")
         click.echo(f"  jobs in flight {st['jobs_in_flight']}  transfers in flight {st['transfers_in_flight']}  "
                    f"bytes read {st['bytes_read']}  parked requests {st['parked_requests']}")
-        click.echo(f"  errors {st['counters'].get('errors', 0)}  protocol errors {st['counters'].get('protocol_errors', 0)}"
+        click.echo(f"  errors {st['counters'].get('errors', 0)}  "
+                   f"protocol errors {st['counters'].get('protocol_errors', 0)}"
                    f"  peer deaths {st['counters'].get('peer_deaths', 0)}")
         if st["sessions"]:
-            rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s["close_reason"]] for s in st["sessions"]]
+            rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s["close_reason"]]
+                    for s in st["sessions"]]
             click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "closed because"]).replace("\n", "\n  "))
         click.echo("")
     if failed:
@@ -203,7 +205,8 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
     else:
         click.echo(f"pong from {info.peer_id} at {address}: authenticated handshake {out['handshake_ms']} ms, "
                    f"round trip {out['rtt_ms']} ms")
-        click.echo(f"  protocol v{info.version}, data backend {info.backend}, region {info.num_blocks} x {info.block_bytes} B")
+        click.echo(f"  protocol v{info.version}, data backend {info.backend}, "
+                   f"region {info.num_blocks} x {info.block_bytes} B")
         click.echo(f"  fingerprint {info.fingerprint.digest}: {info.fingerprint.fields}")
         if compatible is not None:
             click.echo(f"  compatible with {expect_fingerprint}: {'yes' if compatible else 'NO'}")
@@ -216,7 +219,8 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--prefill", required=True, help="Prefill engine URL, e.g. http://127.0.0.1:8100")
 @click.option("--decode", required=True, help="Decode engine URL, e.g. http://127.0.0.1:8200")
-@click.option("--prefill-worker", required=True, help="host:port of the prefill engine's p2pworker (its tier's host, port + DP index).")
+@click.option("--prefill-worker", required=True,
+              help="host:port of the prefill engine's p2pworker (its tier's host, port + DP index).")
 def proxy(host: str, port: int, prefill: str, decode: str, prefill_worker: str) -> None:
     """PD proxy: OpenAI-compatible /v1/completions and /v1/chat/completions.
 
@@ -305,7 +309,8 @@ def demo(requests: int, blocks: int, block_kib: int, inflight: int, backend: str
 @click.option("--blocks", "block_counts", multiple=True, type=int, default=(64, 512), show_default=True)
 @click.option("--requests", default=24, show_default=True, help="Requests per geometry (throughput run).")
 @click.option("--inflight", default=4, show_default=True)
-def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, ...], requests: int, inflight: int) -> None:
+def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, ...], requests: int,
+          inflight: int) -> None:
     """Throughput and latency through two workers vs raw NIXL in the same run.
 
     ``workers_gbps``: PD requests (contiguous rows) through both workers'
@@ -331,7 +336,8 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
         bb = kib * 1024
         progress(f"{kib} KiB blocks: raw NIXL, {', '.join(map(str, block_counts))} blocks per request")
         raw = {r["blocks"]: r["gbps_median"] for r in
-               bench_geometry(bb, list(block_counts), reps=7, batch_bytes=32 << 20, only={"raw_nixl"}, patterns=("contig",))}
+               bench_geometry(bb, list(block_counts), reps=7, batch_bytes=32 << 20, only={"raw_nixl"},
+                              patterns=("contig",))}
         with PDRig(max(block_counts) * inflight * 2, bb, backend="nixl", stderr=log) as rig:
             for n in block_counts:
                 progress(f"{kib} KiB x {n}: {requests} requests through two workers, {inflight} in flight")
@@ -342,7 +348,8 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
                     raise click.ClickException(f"bench run failed: {(thr.failures + lat.failures)[:3]}")
                 row = {"block_bytes": bb, "blocks": n, "request_bytes": n * bb, "workers_gbps": round(thr.gbps, 3),
                        "raw_nixl_gbps": raw[n], "ratio": round(thr.gbps / raw[n], 3),
-                       "latency_ms_p50": round(lat.latency_ms(0.5), 2), "latency_ms_p99": round(lat.latency_ms(0.99), 2)}
+                       "latency_ms_p50": round(lat.latency_ms(0.5), 2),
+                       "latency_ms_p99": round(lat.latency_ms(0.99), 2)}
                 rows.append(row)
                 if as_json:
                     click.echo(json.dumps(row), nl=True)
@@ -350,7 +357,8 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
     if not as_json:
         click.echo(_table([[r["block_bytes"] // 1024, r["blocks"], r["workers_gbps"], r["raw_nixl_gbps"], r["ratio"],
                             r["latency_ms_p50"], r["latency_ms_p99"]] for r in rows],
-                          ["block KiB", "blocks", "workers GB/s", "raw NIXL GB/s", "ratio", "lat p50 ms", "lat p99 ms"]))
+                          ["block KiB", "blocks", "workers GB/s", "raw NIXL GB/s", "ratio", "lat p50 ms",
+                           "lat p99 ms"]))
 
 
 @main.command("sweep")

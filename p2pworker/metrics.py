@@ -21,7 +21,8 @@ class Metrics:
           lambda: worker.data.in_flight() if worker.data else 0)
         g("p2pworker_sessions", "Sessions", lambda: len(worker.sessions))
         g("p2pworker_peer_deaths", "Control links declared down", lambda: worker.counters["peer_deaths"])
-        g("p2pworker_protocol_errors", "Sessions closed on a protocol error", lambda: worker.counters["protocol_errors"])
+        g("p2pworker_protocol_errors", "Sessions closed on a protocol error",
+          lambda: worker.counters["protocol_errors"])
         g("p2pworker_command_ring_depth", "Commands waiting", lambda: worker.cmd.depth())
         g("p2pworker_event_ring_depth", "Events waiting", lambda: worker.evt.depth())
         self._server, self._thread = start_http_server(port, addr="127.0.0.1", registry=reg)

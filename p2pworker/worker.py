@@ -427,7 +427,8 @@ class Worker:
         )
         log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
                  region.num_blocks, region.block_bytes, ctl.address, data.backend, self.fingerprint.digest)
-        self.reporter.emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint))
+        self.reporter.emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest,
+                                     self.admin.endpoint))
 
     # ------------------------------------------------------------ sessions
     def _session_for(self, address: str, cmd: Any = None) -> tuple[Session | None, str]:

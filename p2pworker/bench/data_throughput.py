@@ -18,7 +18,8 @@ Contenders per (block_bytes, blocks per transfer, row pattern):
 Row patterns: ``contig`` (rows 0..n-1 on both sides: one run) and
 ``scattered`` (random distinct rows: about one run per row).
 One JSON line per contender and geometry: median GB/s over ``reps`` timed
-batches (each >= 32 MiB, contenders interleaved round by round), descriptors per transfer, and ``vs_raw`` (our median / raw median).
+batches (each >= 32 MiB, contenders interleaved round by round), descriptors per transfer, and ``vs_raw``
+(our median / raw median).
 """
 
 from __future__ import annotations
@@ -149,11 +150,13 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                                 return
                     return once
 
+                # src_arr/dst_arr from the enclosing scope, not bound as defaults: they are deleted (del, below)
+                # before the regions close, which a closure default would keep exported
                 def memcpy_once(lr=lr, rr=rr, n=n, pattern=pattern):
                     if pattern == "contig":
-                        dst_arr[:n] = src_arr[:n]
+                        dst_arr[:n] = src_arr[:n]  # noqa: F821
                     else:
-                        dst_arr[lr] = src_arr[rr]
+                        dst_arr[lr] = src_arr[rr]  # noqa: F821
 
                 fns = {"raw_nixl": raw_once, "p2pworker_nixl": transport_once(ours),
                        "p2pworker_zmq": transport_once(fb), "memcpy": memcpy_once}

@@ -183,7 +183,8 @@ class ZmqControl(ControlTransport):
                 )
             self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
         else:
-            log.warning("control-plane authentication is DISABLED: any process that reaches %s can talk to us", cfg.host)
+            log.warning("control-plane authentication is DISABLED: any process that reaches %s can talk to us",
+                        cfg.host)
             self._secret = b""
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -256,7 +257,8 @@ class ZmqControl(ControlTransport):
                 raise Backpressure(f"control link {link_id} to {link.address}: {len(link.queued)} messages queued")
             link.queued.append(payload)
         else:
-            raise PeerLost(f"control link {link_id} to {link.address or link.node_id} is {link.state.value}: {link.reason}")
+            raise PeerLost(f"control link {link_id} to {link.address or link.node_id} is {link.state.value}: "
+                           f"{link.reason}")
 
     def disconnect(self, link_id: str) -> None:
         link = self._links.pop(link_id, None)

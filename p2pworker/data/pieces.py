@@ -371,7 +371,8 @@ class PieceTransport(DataTransport):
         """Cancel a posted piece so that nothing of it lands from now on; True when that is guaranteed.
 
         Then the piece counts as settled at once; the backend frees the handle
-        itself (no :meth:`_release_handle` follows).  The default is False: with NIXL, releasing a handle does not stop the
+        itself (no :meth:`_release_handle` follows).  The default is False: with NIXL, releasing a handle does not
+        stop the
         bytes already in flight, so a cancelled piece is waited for (DONE/ERR)
         like any other.
         """

@@ -18,6 +18,7 @@ from p2pworker.session.session import (
 )
 
 __all__ = [
-    "ALLOWED", "LOAD_MOVES", "Action", "AddDataPeer", "CancelReads", "PostRead", "RemoveDataPeer", "Send", "JobDone", "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
+    "ALLOWED", "LOAD_MOVES", "Action", "AddDataPeer", "CancelReads", "PostRead", "RemoveDataPeer", "Send", "JobDone",
+    "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
     "SessionConfig", "SessionContext", "SessionUp", "State",
 ]

@@ -79,7 +79,8 @@ class Parcel:
 
 
 class ParkingLot:
-    def __init__(self, reporter: Reporter, clock: Callable[[], float], *, block_bytes: int, park_timeout_s: float = 60.0):
+    def __init__(self, reporter: Reporter, clock: Callable[[], float], *, block_bytes: int,
+                 park_timeout_s: float = 60.0):
         self.reporter = reporter
         self.clock = clock
         self.block_bytes = block_bytes

@@ -351,7 +351,8 @@ class Session:
             self.peer_id = msg.peer_id
             self._close(f"handshake rejected: {reason}")
             return
-        self._activate(msg.peer_id, msg.data, m.HelloAck(m.PROTOCOL_VERSION, ctx.node_id, True, ctx.data_info, ctx.fingerprint))
+        self._activate(msg.peer_id, msg.data,
+                       m.HelloAck(m.PROTOCOL_VERSION, ctx.node_id, True, ctx.data_info, ctx.fingerprint))
 
     def _on_hello_ack(self, msg: m.HelloAck) -> None:
         if not msg.accepted:
@@ -639,7 +640,8 @@ class Session:
         lease_s = msg.lease_ms / 1000
         if lease_s > ctx.config.max_lease_s:
             self._emit(m.Offer(msg.request_id, msg.round, [], [], True,
-                               f"lease of {lease_s:g} s exceeds this producer's max_lease_s={ctx.config.max_lease_s:g}"))
+                               f"lease of {lease_s:g} s exceeds this producer's "
+                               f"max_lease_s={ctx.config.max_lease_s:g}"))
             return
         lot = ctx.lot
         p = lot.parcel(msg.request_id)

@@ -56,7 +56,8 @@ def test_pd_output_equals_single_engine_and_comes_from_p2p(pd, n):
     decode engine's own metrics count every full prompt block as served by the P2P tier."""
     got, want, cached = pd_request(pd, n, seed=1000 + n)
     assert_same(got, want, f"{n}-token prompt")
-    assert cached == expected_p2p_tokens(n), f"decode served {cached} prompt tokens from P2P, want {expected_p2p_tokens(n)}"
+    assert cached == expected_p2p_tokens(n), \
+        f"decode served {cached} prompt tokens from P2P, want {expected_p2p_tokens(n)}"
 
 
 def test_ttft_transfer_vs_recompute(pd):

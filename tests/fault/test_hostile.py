@@ -67,7 +67,8 @@ def test_unauthenticated_flood_oversized_frames_and_garbage(nodes, figures):
     assert pd(a, d, jobs, "after-flood")[0].success
     growth_mib = (rss1 - rss0) / 1024
     assert growth_mib < 64, f"RSS grew {growth_mib:.1f} MiB under the flood"
-    figure(figures, "unauthenticated flood: frames/s sent for 3 s", f"{rate / 1e3:.0f} k/s", "as fast as the test sends (≥ 10 k/s), worker survives")
+    figure(figures, "unauthenticated flood: frames/s sent for 3 s", f"{rate / 1e3:.0f} k/s",
+           "as fast as the test sends (≥ 10 k/s), worker survives")
     figure(figures, "unauthenticated flood: worker RSS delta", f"{growth_mib:+.1f} MiB", "< 64 MiB")
 
 

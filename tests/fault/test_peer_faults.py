@@ -44,7 +44,8 @@ def test_peer_sigkill_during_a_large_transfer(nodes, figures):
     assert got[lb].success and jobs.collect(b, {sb}, 10)[sb].success
     assert took <= DEADLINE_S + SLACK_S, f"failures reported {took:.2f} s after the kill"
     assert pd(b, d, jobs, "after")[0].success
-    figure(figures, "peer SIGKILL mid-transfer: its jobs reported failed", f"{took:.2f} s", f"≤ {DEADLINE_S:g} s + slack")
+    figure(figures, "peer SIGKILL mid-transfer: its jobs reported failed", f"{took:.2f} s",
+           f"≤ {DEADLINE_S:g} s + slack")
 
 
 def test_peer_sigstop_then_sigcont(nodes, figures):

@@ -325,7 +325,8 @@ def test_zmq_reply_after_cancel_or_timeout_is_dropped_and_rows_untouched(shm_pre
     """The consumer copies only into pieces still open: a producer's late reply never reaches our rows."""
     bb = 4096
     clock = FakeClock()
-    with KVRegion.create(shm_prefix + "cons", 16, bb) as cons_reg, KVRegion.create(shm_prefix + "prod", 16, bb) as prod_reg:
+    with KVRegion.create(shm_prefix + "cons", 16, bb) as cons_reg, \
+            KVRegion.create(shm_prefix + "prod", 16, bb) as prod_reg:
         cons_reg.array()[:] = CANARY
         prod_reg.array()[:] = region_bytes(6, 16, bb)
         consumer = make_data_transport(cons_reg, backend="zmq", agent_name="cons", clock=clock, ack_timeout_s=3.0)

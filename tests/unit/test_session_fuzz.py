@@ -35,7 +35,8 @@ def _random_value(rng: random.Random, depth: int = 0):
         return rng.choice([0, -1, 2**63, 1.5, "", "x" * rng.randint(0, 300), b"\x00" * rng.randint(0, 200), None, True])
     if r < 0.6:
         return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 5))]
-    return {rng.choice(["type", "keys", "rows", "round", "request_id", "read", "final", "lease_ms", "lookup_id", "x"]): _random_value(rng, depth + 1)
+    names = ["type", "keys", "rows", "round", "request_id", "read", "final", "lease_ms", "lookup_id", "x"]
+    return {rng.choice(names): _random_value(rng, depth + 1)
             for _ in range(rng.randint(0, 5))}
 
 
@@ -50,7 +51,9 @@ def _mutate(rng: random.Random, seeds: list[bytes]) -> bytes:
                 base[rng.randrange(len(base))] = rng.getrandbits(8)
         return bytes(base)
     if kind == 2:  # truncate or extend
-        return bytes(base[: rng.randint(0, len(base))]) if rng.random() < 0.5 else bytes(base) + rng.randbytes(rng.randint(1, 8))
+        if rng.random() < 0.5:
+            return bytes(base[: rng.randint(0, len(base))])
+        return bytes(base) + rng.randbytes(rng.randint(1, 8))
     if kind == 3:  # a well-formed message whose fields hold junk
         tag = rng.choice(["hello", "hello_ack", "fetch", "offer", "release", "lookup", "lookup_resp", "bye", "nope"])
         body = _random_value(rng)

@@ -35,8 +35,10 @@ REQS = ["r0", "r1"]
 KEYS = [b"k%d" % i for i in range(5)]
 CANARY = b"<canary>"
 
-store_op = st.tuples(st.just("store"), st.sampled_from(REQS), st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
-load_op = st.tuples(st.just("load"), st.sampled_from(REQS), st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
+store_op = st.tuples(st.just("store"), st.sampled_from(REQS),
+                     st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
+load_op = st.tuples(st.just("load"), st.sampled_from(REQS),
+                    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
 deliver_all = st.tuples(st.just("deliver"), st.none())
 copy_op = st.tuples(st.just("copy"), st.integers(0, 1000), st.integers(1, 3))
 settle_op = st.tuples(st.just("settle"), st.integers(0, 1000), st.booleans() | st.just(True) | st.just(True))
@@ -183,7 +185,8 @@ class Model:
                 assert set(ev.keys) <= set(granted)
                 for k in ev.keys:
                     if a.region[granted[k]] != k:
-                        raise Violation(f"load {ev.job_id} reported {k!r} moved but its row holds {a.region[granted[k]]!r}")
+                        raise Violation(f"load {ev.job_id} reported {k!r} moved but its row holds "
+                                        f"{a.region[granted[k]]!r}")
                 for r in granted.values():  # vLLM reuses the rows at once
                     a.region[r] = CANARY
                     del self.row_owner[r]
