@@ -25,24 +25,11 @@ import abc
 import enum
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from p2pworker.errors import TransferFailed
+from p2pworker.protocol.peer_info import PeerDataInfo  # noqa: F401  (the wire type; re-exported for the backends)
 from p2pworker.shm.region import KVRegion
-
-
-class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a peer needs to read rows out of our region; sent over the authenticated control channel."""
-
-    backend: str  # "nixl" or "zmq"
-    agent_name: str
-    base_address: int
-    num_blocks: int
-    block_bytes: int
-    metadata: bytes = b""  # NIXL agent metadata
-    endpoint: str = ""  # fallback: the data socket address
-    token: bytes = b""  # fallback: a per-process read token; only peers told it may read
 
 
 class XferState(enum.Enum):

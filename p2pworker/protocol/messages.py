@@ -15,7 +15,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta
 
-from p2pworker.data.base import PeerDataInfo
+from p2pworker.protocol.peer_info import PeerDataInfo
 from p2pworker.errors import RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.limits import MAX_FRAME_BYTES, MAX_JOB_KEYS, MAX_KEY_BYTES, MAX_MSG_KEYS

@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-from p2pworker.data.base import PeerDataInfo
+from p2pworker.protocol.peer_info import PeerDataInfo
 from p2pworker.errors import LocalProtocolError, RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.limits import MAX_JOB_KEYS
