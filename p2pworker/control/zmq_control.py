@@ -251,7 +251,7 @@ class ZmqControl(ControlTransport):
                 f"(peers drop the connection of a sender of larger frames)"
             )
         if link.state is LinkState.UP:
-            self._send(link, K_DATA, payload, data=True)
+            self._send(link, K_DATA, payload)
         elif link.outbound and link.state in (LinkState.CONNECTING, LinkState.AUTHING):
             if len(link.queued) >= self.config.hwm:
                 raise Backpressure(f"control link {link_id} to {link.address}: {len(link.queued)} messages queued")
@@ -274,16 +274,9 @@ class ZmqControl(ControlTransport):
     def link(self, link_id: str) -> Link | None:
         return self._links.get(link_id)
 
-    def links(self) -> list[Link]:
-        return list(self._links.values())
-
     def sockets(self) -> list[zmq.Socket]:
         """Every socket to watch for POLLIN (for an outer poll loop)."""
         return [self._router] + [lk.sock for lk in self._links.values() if lk.sock is not None]
-
-    def next_deadline(self) -> float:
-        """Clock time at which :meth:`poll` has timer work (heartbeats, deadlines, reconnects)."""
-        return self._next_tick
 
     def poll(self, timeout_ms: int = 0):
         if self._closed:
@@ -331,7 +324,7 @@ class ZmqControl(ControlTransport):
             raise P2PError("the control transport is closed")
 
     # ------------------------------------------------------------ sending
-    def _send(self, link: Link, kind: bytes, body: bytes, data: bool = False) -> None:
+    def _send(self, link: Link, kind: bytes, body: bytes) -> None:
         try:
             if link.outbound:
                 link.sock.send_multipart([kind, body], flags=zmq.NOBLOCK)
