@@ -361,6 +361,26 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
                            "lat p99 ms"]))
 
 
+@main.group()
+def config() -> None:
+    """Worker configuration files."""
+
+
+@config.command("check")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+def config_check(path: str) -> None:
+    """Print the effective settings of worker config PATH (defaults filled in, secret masked) as JSON, or the
+    error (naming the file and the key's path, e.g. $.control.port) with exit status 1."""
+    from p2pworker.config import ConfigError, effective, load_config
+
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(effective(cfg), indent=2))
+
+
 @main.command("sweep")
 @click.argument("prefix")
 @click.option("--dry-run", is_flag=True, help="List what would be removed.")

@@ -1,19 +1,33 @@
-"""Worker configuration: a TOML file (see configs/) plus command-line overrides."""
+"""Worker configuration: a TOML file (see configs/) plus command-line overrides, typed and range-checked.
+
+The settings are the dataclasses below (and ``ControlConfig``, ``SessionConfig`` of their modules); every value a
+file or an override sets is converted with msgspec against the field's type, narrowed by :data:`CONSTRAINTS`
+where a type alone allows nonsense (a negative interval, a port above 65535, a backend nobody has).  Any error
+names the file and the path (``configs/prefill.toml: $.control.port: Expected `int`, got `str```); unknown keys
+are errors too.  ``p2pworker config check FILE`` prints the effective settings or the errors.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
 
 from p2pworker.control.zmq_control import ControlConfig
+from p2pworker.limits import MAX_FRAME_BYTES
 from p2pworker.session.session import SessionConfig
+
+Backend = Literal["auto", "nixl", "zmq"]
 
 
 @dataclass
 class DataConfig:
-    backend: str = "auto"  # auto | nixl | zmq
+    backend: Backend = "auto"
     max_piece_bytes: int = 8 << 20
     post_budget_bytes: int = 16 << 20
 
@@ -36,29 +50,77 @@ class WorkerConfig:
     session: SessionConfig = field(default_factory=SessionConfig)
 
 
-def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
-    names = {f.name: f for f in dataclasses.fields(obj)}
+class ConfigError(ValueError):
+    """A config value or key that cannot be used; the message names the source and the path."""
+
+
+_Pos = Annotated[float, Meta(gt=0)]
+_NonNeg = Annotated[float, Meta(ge=0)]
+_PosInt = Annotated[int, Meta(ge=1)]
+_Port = Annotated[int, Meta(ge=0, le=65535)]
+
+# Narrower types than the fields' own, by path: what each setting may be.
+CONSTRAINTS: dict[str, Any] = {
+    "metrics_port": _Port,
+    "tick_s": _Pos, "idle_poll_s": _Pos, "busy_poll_s": _Pos, "passive_poll_s": _Pos, "shutdown_timeout_s": _Pos,
+    "wait_rings_s": _NonNeg,
+    "control.port": _Port | None,
+    "control.secret": str | None,  # the field also takes bytes (from code); a file gives a string
+    "control.dp_index": Annotated[int, Meta(ge=0, le=4095)],
+    "control.heartbeat_interval_s": _Pos, "control.heartbeat_liveness": _PosInt,
+    "control.reconnect_min_s": _Pos, "control.reconnect_max_s": _Pos,
+    "control.hwm": _PosInt, "control.max_pending_auth": _PosInt, "control.max_batch": _PosInt,
+    # a frame must hold MAX_MSG_KEYS keys (limits.py): below the default, long key lists would be refused
+    "control.max_frame_bytes": Annotated[int, Meta(ge=MAX_FRAME_BYTES, le=64 * MAX_FRAME_BYTES)],
+    "data.max_piece_bytes": _PosInt, "data.post_budget_bytes": _PosInt,
+    "session.load_timeout_s": Annotated[float, Meta(gt=0, le=3600)],  # a lease a producer may grant (MAX_LEASE_MS)
+    "session.fetch_timeout_s": _Pos, "session.lookup_timeout_s": _Pos, "session.park_timeout_s": _Pos,
+    "session.settle_timeout_s": _Pos, "session.handshake_timeout_s": _Pos,
+    "session.max_lease_s": Annotated[float, Meta(gt=0, le=3600)],
+    "session.max_queued": _PosInt, "session.max_inbound_lookups": _PosInt,
+}
+
+
+def _apply(obj: Any, values: Any, path: str, source: str) -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: ${path}: must be a table")
+    names = {f.name for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj), include_extras=True)
     for key, value in values.items():
+        where = f"{path}.{key}"
         if key not in names:
-            raise ValueError(f"unknown config key {where}{key!r}; known: {sorted(names)}")
+            raise ConfigError(f"{source}: ${where}: unknown key; known: {sorted(names)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ValueError(f"config key {where}{key!r} must be a table")
-            _apply(current, value, f"{where}{key}.")
-        else:
-            setattr(obj, key, value)
+            _apply(current, value, where, source)
+            continue
+        typ = CONSTRAINTS.get(where[1:], hints[key])
+        try:
+            setattr(obj, key, msgspec.convert(value, typ, strict=True))
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{source}: ${where}: {e} (got {value!r})") from None
 
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> WorkerConfig:
     """Defaults, then the TOML file's [worker] (and [control], [data], [session]) tables, then overrides."""
     cfg = WorkerConfig()
     if path:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-        worker = dict(doc.pop("worker", {}))
-        _apply(cfg, worker, "worker.")
-        _apply(cfg, doc, "")
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        worker = doc.pop("worker", {})
+        _apply(cfg, worker, "", path)
+        _apply(cfg, doc, "", path)
     if overrides:
-        _apply(cfg, overrides, "override ")
+        _apply(cfg, overrides, "", "command line")
     return cfg
+
+
+def effective(cfg: WorkerConfig) -> dict[str, Any]:
+    """The settings as plain values (the secret masked), for ``p2pworker config check``."""
+    out = dataclasses.asdict(cfg)
+    if out["control"].get("secret"):
+        out["control"]["secret"] = "***"
+    return out

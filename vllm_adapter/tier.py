@@ -51,9 +51,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable
+from typing import Annotated, Any, ClassVar, Iterable, Literal
 
+import msgspec
 import numpy as np
+from msgspec import Meta
 
 from vllm.v1.kv_offload.base import (
     CacheHitSource,
@@ -67,6 +69,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from p2pworker import api
 from p2pworker.client import WorkerClient
+from p2pworker.config import ConfigError, load_config
 from p2pworker.control.base import HOST_ENV, default_port
 from p2pworker.errors import MessageTooLarge, P2PError
 from p2pworker.shm.maps import handle_for_range
@@ -78,6 +81,27 @@ LIVENESS_CHECK_S = 0.05
 WORKER_STALL_S = 5.0  # no event (heartbeats every 0.5 s) for this long from a live pid: the worker is wedged
 POLL_THREAD_GONE_S = 0.1  # no off-thread poll for this long: on_schedule_end flushes commands itself
 RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park_timeout_s
+
+
+class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """The tier's own keys in ``kv_connector_extra_config["secondary_tiers"][i]`` (besides type/module_path)."""
+
+    locality: str | None = None
+    host: str | None = None  # default: $VLLM_P2P_SIDE_CHANNEL_HOST, else 127.0.0.1
+    port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # base; the worker binds port + DP index
+    worker_config: str | None = None  # the worker's TOML (a path; relative to vLLM's working directory)
+    backend: Literal["auto", "nixl", "zmq"] = "auto"
+    rings: str | None = None  # attach to an operator-launched worker instead of spawning one
+    start_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
+    worker_stall_s: Annotated[float, Meta(gt=0)] = WORKER_STALL_S
+
+
+def tier_settings(config: dict) -> TierSettings:
+    """Typed, range-checked tier keys; an unknown or invalid one fails vLLM's start naming it."""
+    try:
+        return msgspec.convert(config, TierSettings, strict=True)
+    except msgspec.ValidationError as e:
+        raise P2PError(f"P2PWorkerTier config (kv_connector_extra_config.secondary_tiers): {e}") from None
 
 
 @dataclass(frozen=True)
@@ -129,21 +153,19 @@ class P2PWorkerTier(SecondaryTierManager):
         primary_kv_view: memoryview,
         tier_type: str,
         backpressure_detector: Any = None,
-        *,
-        locality: str | None = None,
-        host: str | None = None,
-        port: int | None = None,
-        worker_config: str | None = None,
-        backend: str = "auto",
-        rings: str | None = None,
-        start_timeout_s: float = 120.0,
-        worker_stall_s: float = WORKER_STALL_S,
-        **unknown: Any,
+        **tier_config: Any,
     ):
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                          tier_type=tier_type, backpressure_detector=backpressure_detector)
-        if unknown:
-            log.warning("P2PWorkerTier ignores unknown config keys %s", sorted(unknown))
+        s = tier_settings(tier_config)
+        locality, host, port, worker_config, backend, rings = s.locality, s.host, s.port, s.worker_config, \
+            s.backend, s.rings
+        start_timeout_s, worker_stall_s = s.start_timeout_s, s.worker_stall_s
+        if worker_config is not None:
+            try:  # fail vLLM's start now, naming the file and the key, not when the worker reads it
+                load_config(worker_config)
+            except (OSError, ConfigError) as e:
+                raise P2PError(f"P2PWorkerTier worker_config: {e}") from None
         if locality is not None:
             self.locality = Locality(str(locality).upper())
         cfg = offloading_spec.config

@@ -71,6 +71,22 @@ def test_verbosity_and_the_inherited_log_level():
     assert log_levels(0, {"VLLM_LOGGING_LEVEL": "nonsense"}) == (logging.INFO, logging.INFO)
 
 
+def test_config_check_prints_effective_settings_or_the_error(tmp_path):
+    res = _run("config", "check", str(Path(__file__).resolve().parents[2] / "configs" / "prefill.toml"))
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads(res.stdout)
+    assert cfg["name"] == "prefill" and cfg["control"]["port"] == 5710 and cfg["session"]["load_timeout_s"] == 30.0
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[control]\nport = '5710'\nsecret = 'hunter2'\n")
+    res = _run("config", "check", str(bad))
+    assert res.returncode == 1 and f"{bad}: $.control.port: Expected `int | null`, got `str`" in res.stderr
+    assert "Traceback" not in res.stderr
+    ok = tmp_path / "ok.toml"
+    ok.write_text("[control]\nsecret = 'hunter2'\n")
+    res = _run("config", "check", str(ok))
+    assert res.returncode == 0 and "hunter2" not in res.stdout and json.loads(res.stdout)["control"]["secret"] == "***"
+
+
 def test_bench_reports_workers_vs_raw_nixl():
     res = _run("bench", "--json", "--block-kib", "64", "--blocks", "16", "--requests", "4", "--inflight", "2",
                timeout_s=240)

@@ -4,12 +4,15 @@ import glob
 import importlib
 import json
 import os
+import re
 
 import pytest
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from p2pworker.config import load_config
+from p2pworker.errors import P2PError
+from vllm_adapter.tier import tier_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SNIPPETS = sorted(glob.glob(os.path.join(ROOT, "configs", "vllm-*.json")))
@@ -34,3 +37,17 @@ def test_snippet_resolves(path):
     assert issubclass(tier_cls, SecondaryTierManager)
     wc = load_config(os.path.join(ROOT, tier["worker_config"]))
     assert wc.control.port == tier["port"]
+    own = {k: v for k, v in tier.items() if k not in ("type", "module_path")}  # what vLLM passes the tier
+    tier_settings(own)  # typed and range-checked: raises on an unknown or invalid key
+
+
+@pytest.mark.parametrize("bad,what", [
+    ({"prot": 5710}, "unknown field `prot`"),
+    ({"port": "5710"}, "$.port"),
+    ({"backend": "nixxl"}, "$.backend"),
+    ({"worker_stall_s": -1}, "$.worker_stall_s"),
+])
+def test_tier_keys_are_typed_and_unknown_ones_refused(bad, what):
+    with pytest.raises(P2PError, match=re.escape(what)) as ei:
+        tier_settings(bad)
+    assert "kv_connector_extra_config.secondary_tiers" in str(ei.value)
