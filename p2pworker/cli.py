@@ -27,15 +27,17 @@ def main() -> None:
 @click.option("--dp-index", type=int, default=None, help="Data-parallel rank: bound port = port + index.")
 @click.option("--backend", type=click.Choice(["auto", "nixl", "zmq"]), default=None, help="Data backend.")
 @click.option("--admin", "admin_path", default=None, help="Admin socket path.")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on this port + the DP index (0: off).")
+@click.option("--metrics-host", default=None, help="Address the metrics endpoint binds (default 127.0.0.1).")
 @click.option("--no-auth", is_flag=True, help="Disable control-plane authentication (logs a warning).")
 @click.option("--wait-rings", "wait_rings_s", type=float, default=None,
               help="Wait up to this many seconds for the adapter to create the rings (operator-launched worker).")
 @click.option("-v", "--verbose", count=True,
               help="-v: p2pworker's own DEBUG logs; -vv: every library's too.  Without it the level is "
                    "$P2PWORKER_LOG_LEVEL, else $VLLM_LOGGING_LEVEL (the engine that spawned us), else INFO.")
-def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, metrics_port, no_auth, wait_rings_s,
-           verbose) -> None:
+def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, metrics_port, metrics_host, no_auth,
+           wait_rings_s, verbose) -> None:
     """Run a worker in the foreground (what the adapter spawns; an operator can run it by hand).
 
     The shared secret comes from $P2PWORKER_SECRET or the config's [control] secret.
@@ -65,6 +67,8 @@ def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, 
         over["admin_path"] = admin_path
     if metrics_port is not None:
         over["metrics_port"] = metrics_port
+    if metrics_host is not None:
+        over["metrics_host"] = metrics_host
     if wait_rings_s is not None:
         over["wait_rings_s"] = wait_rings_s
     try:

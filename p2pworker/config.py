@@ -37,7 +37,9 @@ class WorkerConfig:
     name: str = "p2pworker"
     rings: str = ""  # ring name prefix; the adapter creates <rings>.cmd and <rings>.evt
     admin_path: str = ""  # default: /tmp/p2pworker-<name>-<pid>.admin
-    metrics_port: int = 0  # 0: no Prometheus endpoint
+    role: str = ""  # a label on every metric (prefill, decode, ...): which engine this worker serves
+    metrics_port: int = 0  # 0: no Prometheus endpoint; else the base port: bound port = metrics_port + dp_index
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 (or the pod IP) for a Prometheus in another pod
     tick_s: float = 0.05  # session/lot timers
     idle_poll_s: float = 0.1  # longest sleep when idle
     busy_poll_s: float = 0.001  # poll period while our own reads are in flight (drives NIXL progress)
@@ -62,6 +64,7 @@ _Port = Annotated[int, Meta(ge=0, le=65535)]
 # Narrower types than the fields' own, by path: what each setting may be.
 CONSTRAINTS: dict[str, Any] = {
     "metrics_port": _Port,
+    "role": Literal["", "prefill", "decode", "both"],
     "tick_s": _Pos, "idle_poll_s": _Pos, "busy_poll_s": _Pos, "passive_poll_s": _Pos, "shutdown_timeout_s": _Pos,
     "wait_rings_s": _NonNeg,
     "control.port": _Port | None,

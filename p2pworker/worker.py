@@ -145,11 +145,13 @@ class Worker:
             self._corrupt = {}
             log.warning("%s=1: this worker CORRUPTS every block it loads (test-only switch)", CORRUPT_ENV)
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
+        self.identity: dict = {}  # the adapter's KV identity (model, dtype, ...) from AttachRegion; metric labels
         self.metrics = None
         if cfg.metrics_port:
             from p2pworker.metrics import Metrics
 
-            self.metrics = Metrics(cfg.metrics_port, self)
+            # port + DP index, like the control port: every DP rank of an engine serves its own
+            self.metrics = Metrics(self, cfg.metrics_port + cfg.control.dp_index, cfg.metrics_host)
 
     # ------------------------------------------------------------ running
     def install_signal_handlers(self) -> None:
@@ -408,6 +410,7 @@ class Worker:
             self.fingerprint = Fingerprint.build(
                 block_bytes=region.block_bytes, protocol_version=PROTOCOL_VERSION, identity=cmd.identity
             )
+            self.identity = dict(cmd.identity)
             ctl = ZmqControl(cfg.control)
             data = make_data_transport(
                 region, backend=cfg.data.backend, agent_name=f"{cfg.name}-{ctl.node_id}", host=cfg.control.host,

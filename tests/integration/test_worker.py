@@ -168,16 +168,29 @@ def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
             finished(c, {1})
         finally:
             c.close()
-    # the worker is gone now; check a live one instead
+    # the worker is gone now; check a live one instead: DP rank 1 serves on port + 1, every series labelled
     with KVRegion.create(shm_prefix + "m2", 8, 4096) as reg:
-        c = WorkerClient("metrics2", args=["--port", "0", "--metrics-port", str(port)], env=ENV)
+        c = WorkerClient("metrics2", args=["--port", "0", "--dp-index", "1", "--metrics-port", str(port - 1)], env=ENV)
         try:
-            c.attach(reg.handle)
+            c.attach(reg.handle, {"model": "tiny-test"})
             c.send(api.LoadJob(1, "127.0.0.1:1", "r", [b"k"], [0]))  # unreachable peer: fails within the deadline
             finished(c, {1}, timeout_s=10)
+            from prometheus_client.parser import text_string_to_metric_families
+
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            assert 'p2pworker_jobs_total{kind="load",outcome="failed"} 1.0' in body
-            assert "p2pworker_transfers_in_flight 0.0" in body and "p2pworker_sessions" in body
+            fams = {f.name: f for f in text_string_to_metric_families(body)}
+            ident = {"engine": "metrics2", "role": "", "dp_rank": "1", "model": "tiny-test"}
+            for f in fams.values():
+                for s in f.samples:
+                    assert {k: s.labels.get(k) for k in ident} == ident, (f.name, s.labels)  # every series labelled
+            jobs = {(s.labels["kind"], s.labels["outcome"]): s.value for s in fams["p2pworker_jobs"].samples
+                    if s.name == "p2pworker_jobs_total"}
+            assert jobs == {("load", "failed"): 1.0}
+            assert [s.value for s in fams["p2pworker_transfers_in_flight"].samples] == [0.0]
+            # counts that only rise are counters (exposed as <name>_total)
+            assert fams["p2pworker_peer_deaths"].type == "counter"
+            assert fams["p2pworker_protocol_errors"].type == "counter"
+            assert "p2pworker_peer_deaths_total{" in body and fams["p2pworker_sessions"].type == "gauge"
         finally:
             assert c.close() == 0
 
