@@ -77,8 +77,7 @@ class WorkerClient:
 
     def poll(self) -> list[api.Event]:
         """Events so far (never blocks); also publishes what fits of a command that spans slots."""
-        if self.cmd.pending_bytes:
-            self.cmd.flush()
+        self.cmd.flush()  # returns at once when nothing is pending
         out, self.backlog = self.backlog, []
         while True:
             try:

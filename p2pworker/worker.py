@@ -68,6 +68,7 @@ CORRUPT_ENV = "P2PWORKER_TEST_CORRUPT_LOADS"  # test-only: see Worker._scramble
 
 LIVENESS_CHECK_S = 0.25
 TRIM_S = 60.0  # how often freed heap is handed back to the kernel (see _trim)
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only; resolved once
 RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
 RECONNECT_MAX_S = 5.0
 RETRY_FORGET_S = 60.0
@@ -137,7 +138,7 @@ class Worker:
         self._heartbeats = 0
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
-        self._poll_socks: int | None = None  # the control sockets_epoch the poller was built for
+        self._poll_epoch: int | None = None  # the control sockets_epoch the poller was built for
         # Test-only negative control (tests/e2e): scramble every row a load writes, so a test can show
         # that wrong KV changes vLLM's output.  Never set in production; loudly logged when set.
         self._corrupt: dict[int, dict[bytes, int]] | None = None
@@ -280,11 +281,11 @@ class Worker:
             if self.ctx is not None and self.ctx.lot.leases:
                 timeout_s = min(timeout_s, self.cfg.passive_poll_s)
         epoch = self.ctl.sockets_epoch if self.ctl is not None else -1
-        if epoch != self._poll_socks:  # links come and go: rebuild only then (not O(links) on every sleep)
+        if epoch != self._poll_epoch:  # links come and go: rebuild only then (not O(links) on every sleep)
             self._poller = zmq.Poller()
             for sock in (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ())):
                 self._poller.register(sock, zmq.POLLIN)
-            self._poll_socks = epoch
+            self._poll_epoch = epoch
         if self.cmd.arm():
             return
         try:
@@ -834,10 +835,8 @@ def _addr_key(address: str) -> str:
 def _trim() -> None:
     """Hand freed heap back to the kernel.  glibc keeps what a burst freed (the soak's consumer kept ~3 MB
     of free heap after its first minutes: RSS that tracks no live object); one call every TRIM_S costs ~1 ms."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _too_large(ev: api.Event, e: Exception) -> api.Event:

@@ -62,6 +62,7 @@ from p2pworker.control.base import (
     default_port,
 )
 from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
+from p2pworker.limits import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class ControlConfig:
     secret: str | bytes | None = None  # None: $P2PWORKER_SECRET
     auth: bool = True  # False only on purpose: logs a warning
     hwm: int = 1000  # per-socket queue bound, messages
-    max_frame_bytes: int = 4 << 20  # larger frames make ZMQ drop the sender's connection
+    max_frame_bytes: int = MAX_FRAME_BYTES  # larger frames make ZMQ drop the sender's connection
     max_pending_auth: int = 256  # inbound handshakes in progress at once
     max_batch: int = 1000  # frames taken per socket per poll
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -155,20 +156,32 @@ def tiny_model(tmp_path_factory):
     return build(str(tmp_path_factory.mktemp("tiny-llama")), seed=0)
 
 
-@pytest.fixture(scope="session")
-def pd(tiny_model, tmp_path_factory):
-    pair = PD(tiny_model, str(tmp_path_factory.mktemp("pd-run")))
+@contextlib.contextmanager
+def running(pair: PD, on_stop=None):
+    """`scripts/pd.sh start` ... `stop`; the stop must leave nothing behind and stop every engine in its bound.
+    ``on_stop(pair)`` runs after the stop, before the checks (reports)."""
     p = pair.script("start")
     assert p.returncode == 0, f"scripts/pd.sh start failed:\n{p.stdout}\n{p.stderr}"
     try:
         yield pair
     finally:
         p = pair.script("stop", timeout_s=120)
-        report = os.environ.get("P2PWORKER_E2E_REPORT")
-        if report:
-            with open(report, "w") as f:
-                json.dump(pair.report, f, indent=1)
-        print("\ne2e report:", json.dumps(pair.report))
+        if on_stop is not None:
+            on_stop(pair)
         left = pair.leftovers()
         assert p.returncode == 0 and not left, f"pd.sh stop rc={p.returncode}, leftovers {left}:\n{p.stderr}"
         assert "killing" not in p.stderr, f"an engine did not stop within the bound:\n{p.stderr}"
+
+
+def _write_report(pair: PD) -> None:
+    report = os.environ.get("P2PWORKER_E2E_REPORT")
+    if report:
+        with open(report, "w") as f:
+            json.dump(pair.report, f, indent=1)
+    print("\ne2e report:", json.dumps(pair.report))
+
+
+@pytest.fixture(scope="session")
+def pd(tiny_model, tmp_path_factory):
+    with running(PD(tiny_model, str(tmp_path_factory.mktemp("pd-run"))), on_stop=_write_report) as pair:
+        yield pair

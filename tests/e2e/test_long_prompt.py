@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import PD
+from tests.e2e.conftest import PD, running
 from tests.e2e.test_pd import assert_same, baseline
 from tests.e2e.tiny_model import prompt
 
@@ -38,14 +38,8 @@ def long_pd(tmp_path_factory):
                      f"--max-num-batched-tokens 16384 --max-num-seqs 4",
         "CPU_BYTES": str(256 << 20),  # 1,625 chunks of 64 KiB (2 layers x K,V x 4 heads x 32 dims x 32 tokens x fp32)
     })
-    p = pair.script("start")
-    assert p.returncode == 0, f"scripts/pd.sh start failed:\n{p.stdout}\n{p.stderr}"
-    try:
+    with running(pair):
         yield pair
-    finally:
-        p = pair.script("stop", timeout_s=120)
-        left = pair.leftovers()
-        assert p.returncode == 0 and not left, f"pd.sh stop rc={p.returncode}, leftovers {left}:\n{p.stderr}"
 
 
 def _largest_load(pd: PD) -> int:

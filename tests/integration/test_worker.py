@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,14 +42,16 @@ def finished(client: WorkerClient, job_ids: set[int], timeout_s: float = 30.0) -
     return got
 
 
-@pytest.fixture
-def pair(shm_prefix, tmp_path):
-    """Two regions (random bytes), two workers attached to them."""
+@contextlib.contextmanager
+def worker_pair(shm_prefix: str, tmp_path, names: tuple[str, str], num_blocks: int, block_bytes: int,
+                segment_bytes: int | None = None):
+    """Two regions of seeded random bytes, two workers attached to them; both must exit 0."""
     regions, clients = [], []
     try:
-        for i, name in enumerate(("wa", "wb")):
-            reg = KVRegion.create(f"{shm_prefix}{name}", 128, 64 * 1024, segment_bytes=2 << 20)
-            reg.array()[:] = np.random.default_rng(i).integers(0, 256, size=(128, 64 * 1024), dtype=np.uint8)
+        for i, name in enumerate(names):
+            reg = KVRegion.create(f"{shm_prefix}{name}", num_blocks, block_bytes,
+                                  segment_bytes=segment_bytes or num_blocks * block_bytes)
+            reg.array()[:] = np.random.default_rng(i).integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
             regions.append(reg)
             c = WorkerClient(name, args=["--port", "0", "--admin", str(tmp_path / f"{name}.admin")], env=ENV)
             clients.append(c)
@@ -60,6 +63,13 @@ def pair(shm_prefix, tmp_path):
         for reg in regions:
             reg.close()
     assert codes == [0, 0], f"worker exit codes {codes}"
+
+
+@pytest.fixture
+def pair(shm_prefix, tmp_path):
+    """Two regions (random bytes), two workers attached to them."""
+    with worker_pair(shm_prefix, tmp_path, ("wa", "wb"), 128, 64 * 1024, segment_bytes=2 << 20) as p:
+        yield p
 
 
 def test_two_workers_move_blocks_byte_exact_both_ways_and_inspect_sees_them(pair, tmp_path):
@@ -247,16 +257,7 @@ def test_65536_key_jobs_and_lookups_through_real_workers_byte_exact(shm_prefix, 
     tokens per chunk) cross the rings (each message spans ~45 slots) and the control plane (8 frames each way)
     and move byte-exact through NIXL; each job is reported once."""
     n, block = 65_536, 256
-    regions, clients = [], []
-    try:
-        for i, name in enumerate(("ka", "kb")):
-            reg = KVRegion.create(f"{shm_prefix}{name}", n, block, segment_bytes=n * block)
-            reg.array()[:] = np.random.default_rng(i).integers(0, 256, size=(n, block), dtype=np.uint8)
-            regions.append(reg)
-            c = WorkerClient(name, args=["--port", "0", "--admin", str(tmp_path / f"{name}.admin")], env=ENV)
-            clients.append(c)
-        for c, reg in zip(clients, regions):
-            c.attach(reg.handle, {"model": "test"})
+    with worker_pair(shm_prefix, tmp_path, ("ka", "kb"), n, block) as (clients, regions):
         (prod, cons), (rp, rc) = clients, regions
         rng = np.random.default_rng(3)
         src, dst = rng.permutation(n), rng.permutation(n)
@@ -281,11 +282,6 @@ def test_65536_key_jobs_and_lookups_through_real_workers_byte_exact(shm_prefix, 
         assert prod.send(api.AnswerLookup(ask.peer_id, ask.lookup_id, present))
         got = cons.wait_for(lambda e: isinstance(e, api.LookupResult), timeout_s=60)
         assert got.lookup_id == 7 and got.present == present
-    finally:
-        codes = [c.close() for c in clients]
-        for reg in regions:
-            reg.close()
-    assert codes == [0, 0], f"worker exit codes {codes}"
 
 
 @pytest.mark.timeout(300)
@@ -294,16 +290,7 @@ def test_a_job_larger_than_the_whole_command_ring_goes_through(shm_prefix, tmp_p
     adapter side publishes it as the worker frees slots (client.poll/flush, never blocking), and the worker's
     events come back the same way.  Byte-exact, each job reported once."""
     n, block = 500_000, 64
-    regions, clients = [], []
-    try:
-        for i, name in enumerate(("ra", "rb")):
-            reg = KVRegion.create(f"{shm_prefix}{name}", n, block, segment_bytes=n * block)
-            reg.array()[:] = np.random.default_rng(i).integers(0, 256, size=(n, block), dtype=np.uint8)
-            regions.append(reg)
-            c = WorkerClient(name, args=["--port", "0", "--admin", str(tmp_path / f"{name}.admin")], env=ENV)
-            clients.append(c)
-        for c, reg in zip(clients, regions):
-            c.attach(reg.handle, {"model": "test"})
+    with worker_pair(shm_prefix, tmp_path, ("ra", "rb"), n, block) as (clients, regions):
         (prod, cons), (rp, rc) = clients, regions
         src, dst = np.arange(n), np.random.default_rng(4).permutation(n)
         keys = [i.to_bytes(32, "little") for i in range(n)]
@@ -324,8 +311,3 @@ def test_a_job_larger_than_the_whole_command_ring_goes_through(shm_prefix, tmp_p
         assert (rc.array()[dst] == expect).all(), "bytes differ"
         print(f"500,000-key PD job (LoadJob of {len(msgspec.msgpack.encode(load)) / 2**20:.1f} MiB) through two "
               f"workers: {time.monotonic() - t0:.2f} s")
-    finally:
-        codes = [c.close() for c in clients]
-        for reg in regions:
-            reg.close()
-    assert codes == [0, 0], f"worker exit codes {codes}"

@@ -711,25 +711,26 @@ def test_lookup_parts_are_validated_on_both_sides(monkeypatch):
     assert answer.lookup_id == 3 and answer.present is None  # failed once, by the close
 
 
+def _offered_round(keys) -> tuple[Pair, int]:
+    """A pair whose producer offered ``keys`` of "req" under a lease; (pair, the round)."""
+    p = Pair().handshake()
+    p.b.store(1, "req", keys, [10 + i for i in range(len(keys))])
+    p.a.load(100, "req", keys, list(range(len(keys))))
+    p.deliver()
+    return p, p.b.lot.parcels["req"].lease.round
+
+
 def test_release_parts_naming_unoffered_keys_or_outliving_the_lease(monkeypatch):
     monkeypatch.setattr(m, "MAX_KEYS", 2)
     keys = [b"k%d" % i for i in range(4)]
-    p = Pair().handshake()
-    p.b.store(1, "req", keys, [10, 11, 12, 13])
-    p.a.load(100, "req", keys, [0, 1, 2, 3])
-    p.deliver()
-    rnd = p.b.lot.parcels["req"].lease.round
+    p, rnd = _offered_round(keys)
     p.b.receive(m.encode(m.Release("req", rnd, [b"k0", b"k1"], more=True)))
     p.b.receive(m.encode(m.Release("req", rnd, [b"k0", b"k1"], more=True)))
     p.b.receive(m.encode(m.Release("req", rnd, [b"k2"], more=True)))  # 5 named, 4 offered
     assert p.sb.state is State.CLOSED and "more keys than were offered" in p.sb.close_reason
     # the lease runs out between two Release parts: the rows are released by the lease's end, once; the last
     # part is stale (counted), and the store job is reported exactly once, failed (no complete Release came)
-    p = Pair().handshake()
-    p.b.store(1, "req", keys, [10, 11, 12, 13])
-    p.a.load(100, "req", keys, [0, 1, 2, 3])
-    p.deliver()
-    rnd = p.b.lot.parcels["req"].lease.round
+    p, rnd = _offered_round(keys)
     p.b.receive(m.encode(m.Release("req", rnd, [b"k0", b"k1"], more=True)))
     assert p.b.lot.parcels["req"].lease is not None
     p.advance(31)
