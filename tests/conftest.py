@@ -44,13 +44,9 @@ def no_shm_leftovers_after_suite():
 
 @pytest.fixture
 def free_port():
-    """A function returning a loopback TCP port that was free a moment ago."""
-    import socket
-
-    def get() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    """A function returning a loopback TCP port that was free a moment ago (outside the ephemeral range:
+    tests/ports.py says why)."""
+    from tests.ports import free_port as get
 
     return get
 

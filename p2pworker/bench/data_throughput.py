@@ -86,13 +86,12 @@ def _interleaved_gbps(fns: dict, nbytes: int, reps: int, batch_bytes: int) -> di
 
 def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: int, seed: int = 0,
                    only: set[str] | None = None, patterns: tuple[str, ...] = ("contig", "scattered")) -> list[dict]:
-    from nixl._api import nixl_agent, nixl_agent_config
-
     from p2pworker.data.base import PeerDataInfo, coalesce
-    from p2pworker.data.nixl_transport import NixlTransport
+    from p2pworker.data.nixl_transport import NixlTransport, import_nixl
     from p2pworker.data.zmq_transport import ZmqTransport
     from p2pworker.shm import KVRegion
 
+    nixl_agent, nixl_agent_config = import_nixl()
     num_blocks = max(counts) * 2
     tag = f"p2pw_bench_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")

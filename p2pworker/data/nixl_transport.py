@@ -29,6 +29,7 @@ What shapes it (../shared/NIXL_NOTES.md, re-measured here):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import resource
 from typing import Any
@@ -45,16 +46,28 @@ log = logging.getLogger(__name__)
 _FALLBACK = "or set the data backend to 'auto' to fall back to ZMQ"
 
 
+# Where NIXL's Python API may live: the `nixl` meta package (pulls both CUDA builds and picks one by the CUDA
+# major it detects), or one CUDA build alone (`pip install 'p2pworker[cu12]'` / `[cu13]`), whose module is
+# nixl_cu12 / nixl_cu13.  We register DRAM only (the CPU tier's region), which either build serves.
+NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
 def import_nixl() -> tuple[Any, Any]:
-    """(nixl_agent, nixl_agent_config), or DataPlaneUnavailable naming what is missing."""
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except Exception as e:  # ImportError, or a wheel whose shared library fails to load
-        raise DataPlaneUnavailable(
-            f"NIXL cannot be imported ({type(e).__name__}: {e}); install it with "
-            f"`pip install 'nixl>=1.5,<2'`, {_FALLBACK}"
-        ) from e
-    return nixl_agent, nixl_agent_config
+    """(nixl_agent, nixl_agent_config) from the first of NIXL_MODULES that imports, or DataPlaneUnavailable
+    naming what each attempt said."""
+    tried = []
+    for name in NIXL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:  # ImportError, or a wheel whose shared library fails to load
+            tried.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        log.debug("NIXL from %s", name)
+        return mod.nixl_agent, mod.nixl_agent_config
+    raise DataPlaneUnavailable(
+        f"NIXL cannot be imported ({'; '.join(tried)}); install the build for your CUDA major with "
+        f"`pip install 'p2pworker[cu12]'` or `pip install 'p2pworker[cu13]'` (either works without a GPU), "
+        f"{_FALLBACK}")
 
 
 def _memlock_limit() -> str:

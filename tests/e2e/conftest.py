@@ -7,7 +7,6 @@ import glob
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+from tests.ports import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_MODEL_LEN = 2048
@@ -37,17 +38,6 @@ def pytest_collection_modifyitems(config, items):
                                 "Run it with .venv-vllmcpu032/bin/python -m pytest tests/e2e")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _http(url: str, body: dict | None = None, timeout_s: float = 120.0):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"} if data else {})
@@ -61,7 +51,7 @@ class PD:
 
     def __init__(self, model: str, run_dir: str):
         self.model, self.run_dir = model, run_dir
-        (self.prefill_http, self.decode_http, self.proxy_port, self.prefill_p2p, self.decode_p2p) = _free_ports(5)
+        (self.prefill_http, self.decode_http, self.proxy_port, self.prefill_p2p, self.decode_p2p) = free_ports(5)
         self.env = {
             **os.environ, "MODEL": model, "SERVED_NAME": "tiny", "RUN_DIR": run_dir, "VENV": sys.prefix,
             "PREFILL_HTTP": str(self.prefill_http), "DECODE_HTTP": str(self.decode_http),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 
 import msgspec
@@ -16,6 +15,7 @@ from p2pworker.control import ControlConfig, LinkDown, LinkUp, Received, ZmqCont
 from p2pworker.control.zmq_control import K_AUTH, K_DATA, K_HELLO, K_REJECT, K_RESET, _Hello
 from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
 from tests.integration.peers import control_acceptor
+from tests.ports import free_port
 
 SECRET = "test-secret"
 
@@ -205,9 +205,7 @@ def test_unreachable_and_unresolvable_addresses(pair):
         a.connect("no-such-host.invalid:5710")
     with pytest.raises(PeerUnreachable, match="expected host:port"):
         a.connect("localhost")
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = free_port()  # nobody listens there
     t0 = time.monotonic()
     link = a.connect(f"127.0.0.1:{dead_port}")
     ev = pump({"a": a}, lambda e: of(e, "a", LinkDown))
@@ -223,9 +221,7 @@ def test_unreachable_and_unresolvable_addresses(pair):
 def test_bounded_queue_raises_backpressure():
     a = ZmqControl(cfg(hwm=10), node_id="A")
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         link = a.connect(f"127.0.0.1:{port}")
         for i in range(10):
             a.send(link, b"m")
@@ -255,9 +251,7 @@ def test_auth_needs_a_secret_or_an_explicit_off(monkeypatch, caplog):
 
 
 def test_default_port_follows_vllm_convention(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
+    base = free_port()
     monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_PORT", str(base))
     assert default_port(2) == base + 2
     ctl = ZmqControl(cfg(port=None, dp_index=1), node_id="dp1")
@@ -269,9 +263,7 @@ def test_default_port_follows_vllm_convention(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_killed_peer_is_declared_dead_once_and_a_restart_reconnects(children):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     q = children.ctx.Queue()
     a = ZmqControl(cfg(reconnect_min_s=0.05, reconnect_max_s=0.4), node_id="A")
     try:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 BIN = Path(sys.executable).with_name("p2pworker")
 
 
@@ -69,12 +71,6 @@ class Engine(ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def engines():
     pre, dec = Engine("prefill"), Engine("decode")
@@ -85,7 +81,7 @@ def engines():
 
 
 def _start_proxy(pre_url: str, dec_url: str):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(BIN), "proxy", "--port", str(port), "--prefill", pre_url, "--decode", dec_url,
                              "--prefill-worker", "10.1.2.3:5711"], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
@@ -168,7 +164,7 @@ def test_prefill_failure_falls_back_to_decode_without_transfer(engines):
 
 def test_decode_unreachable_is_a_502():
     pre = Engine("prefill")
-    proc, port = _start_proxy(pre.url, f"http://127.0.0.1:{_free_port()}")
+    proc, port = _start_proxy(pre.url, f"http://127.0.0.1:{free_port()}")
     try:
         status, body = _post(port, "/v1/completions", {"prompt": "p"})
         assert status == 502 and b"decode engine unreachable" in body

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from p2pworker import api
 from p2pworker.client import WorkerClient
 from p2pworker.shm import KVRegion
 from p2pworker.shm.sweep import leftovers
+from tests.ports import free_port
 
 ENV = {"P2PWORKER_SECRET": "worker-tests"}
 BIN = Path(sys.executable).with_name("p2pworker")
@@ -166,9 +166,7 @@ def test_idle_worker_uses_under_2_percent_of_a_core(pair):
 
 
 def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with KVRegion.create(shm_prefix + "m", 8, 4096) as reg:
         c = WorkerClient("metrics", args=["--port", "0", "--metrics-port", str(port)], env=ENV)
         try:
