@@ -20,6 +20,9 @@ def main() -> None:
 
 @main.command()
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="Worker TOML config.")
+@click.option("--settings-json", default=None,
+              help="Settings as JSON, the config file's shape ({\"worker\": {...}, \"control\": {...}}); applied "
+                   "after --config, before the other flags.  The adapter passes the tier's worker_settings here.")
 @click.option("--rings", required=True, help="Ring name prefix (the adapter created <PREFIX>.cmd and <PREFIX>.evt).")
 @click.option("--name", default=None, help="Worker name (logs, admin path).")
 @click.option("--host", default=None, help="Control host to bind (overrides [control] host).")
@@ -36,16 +39,16 @@ def main() -> None:
 @click.option("-v", "--verbose", count=True,
               help="-v: p2pworker's own DEBUG logs; -vv: every library's too.  Without it the level is "
                    "$P2PWORKER_LOG_LEVEL, else $VLLM_LOGGING_LEVEL (the engine that spawned us), else INFO.")
-def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, metrics_port, metrics_host, no_auth,
-           wait_rings_s, verbose) -> None:
+def launch(config_path, settings_json, rings, name, host, port, dp_index, backend, admin_path, metrics_port,
+           metrics_host, no_auth, wait_rings_s, verbose) -> None:
     """Run a worker in the foreground (what the adapter spawns; an operator can run it by hand).
 
     The shared secret comes from $P2PWORKER_SECRET or the config's [control] secret.
     """
     import logging
 
-    from p2pworker.config import load_config
-    from p2pworker.worker import Worker
+    from p2pworker.config import ConfigError, load_config
+    from p2pworker.worker import Worker, install_hook
 
     root_level, own_level = log_levels(verbose, os.environ)
     logging.basicConfig(level=root_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -72,8 +75,15 @@ def launch(config_path, rings, name, host, port, dp_index, backend, admin_path, 
     if wait_rings_s is not None:
         over["wait_rings_s"] = wait_rings_s
     try:
-        cfg = load_config(config_path, over)
+        inline = None
+        if settings_json is not None:
+            try:
+                inline = json.loads(settings_json)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--settings-json: not valid JSON: {e}") from None
+        cfg = load_config(config_path, over, inline=inline, inline_source="--settings-json")
         worker = Worker(cfg)
+        install_hook(worker)
     except Exception as e:
         raise click.ClickException(f"worker did not start: {e}") from e
     worker.install_signal_handlers()
@@ -373,14 +383,36 @@ def config() -> None:
 @config.command("check")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
 def config_check(path: str) -> None:
-    """Print the effective settings of worker config PATH (defaults filled in, secret masked) as JSON, or the
-    error (naming the file and the key's path, e.g. $.control.port) with exit status 1."""
-    from p2pworker.config import ConfigError, effective, load_config
+    """Print the effective settings of PATH (defaults filled in, secret masked) as JSON, or the error (naming
+    the file and the key's path, e.g. $.control.port) with exit status 1.
+
+    PATH is a worker TOML, or a vLLM JSON (a --kv-transfer-config, its kv_connector_extra_config, or one
+    secondary tier's entry): then each P2PWorkerTier entry's keys are checked and the worker settings they give
+    (worker_config, then worker_settings) are printed, as the tier would start its worker."""
+    import msgspec
+
+    from p2pworker.config import ConfigError, effective, load_config, tier_entries, tier_settings
 
     try:
+        if path.endswith(".json"):
+            try:
+                with open(path) as f:
+                    doc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON: {e}") from None
+            entries = tier_entries(doc)
+            if not entries:
+                raise ConfigError(f"{path}: no secondary tier of type P2PWorkerTier in it")
+            out = []
+            for entry in entries:
+                s, cfg = tier_settings(entry)
+                out.append({"tier": {k: v for k, v in msgspec.to_builtins(s).items() if k != "worker_settings"},
+                            "worker": effective(cfg)})
+            click.echo(json.dumps(out if len(out) > 1 else out[0], indent=2))
+            return
         cfg = load_config(path)
     except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {path}: {e}" if not str(e).startswith(path) else f"error: {e}", err=True)
         sys.exit(1)
     click.echo(json.dumps(effective(cfg), indent=2))
 

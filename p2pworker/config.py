@@ -10,14 +10,16 @@ are errors too.  ``p2pworker config check FILE`` prints the effective settings o
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 from msgspec import Meta
 
+from p2pworker.control.base import DEFAULT_PORT, HOST_ENV, PORT_ENV
 from p2pworker.control.zmq_control import ControlConfig
 from p2pworker.limits import MAX_FRAME_BYTES
 from p2pworker.session.session import SessionConfig
@@ -84,28 +86,42 @@ CONSTRAINTS: dict[str, Any] = {
 }
 
 
-def _apply(obj: Any, values: Any, path: str, source: str) -> None:
+def _apply(obj: Any, values: Any, path: str, source: str, shown: str = "") -> None:
+    """Set ``values`` on ``obj`` at ``path`` (the CONSTRAINTS key); errors show ``$<shown><path>``, e.g.
+    ``$.worker.role`` for a key of the file's [worker] table."""
     if not isinstance(values, dict):
-        raise ConfigError(f"{source}: ${path}: must be a table")
+        raise ConfigError(f"{source}: ${shown}{path}: must be a table")
     names = {f.name for f in dataclasses.fields(obj)}
     hints = typing.get_type_hints(type(obj), include_extras=True)
     for key, value in values.items():
         where = f"{path}.{key}"
         if key not in names:
-            raise ConfigError(f"{source}: ${where}: unknown key; known: {sorted(names)}")
+            raise ConfigError(f"{source}: ${shown}{where}: unknown key; known: {sorted(names)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
-            _apply(current, value, where, source)
+            _apply(current, value, where, source, shown)
             continue
         typ = CONSTRAINTS.get(where[1:], hints[key])
         try:
             setattr(obj, key, msgspec.convert(value, typ, strict=True))
         except msgspec.ValidationError as e:
-            raise ConfigError(f"{source}: ${where}: {e} (got {value!r})") from None
+            raise ConfigError(f"{source}: ${shown}{where}: {e} (got {value!r})") from None
 
 
-def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> WorkerConfig:
-    """Defaults, then the TOML file's [worker] (and [control], [data], [session]) tables, then overrides."""
+def _apply_doc(cfg: WorkerConfig, doc: Any, source: str) -> None:
+    """One settings document: the TOML file's shape ([worker] plus [control], [data], [session]), from a file or
+    inline (the tier's ``worker_settings``, the CLI's ``--settings-json``)."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: $: must be a table of settings, got {type(doc).__name__}")
+    doc = dict(doc)
+    _apply(cfg, doc.pop("worker", {}), "", source, shown=".worker")
+    _apply(cfg, doc, "", source)
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
+                inline: dict[str, Any] | None = None, inline_source: str = "inline settings") -> WorkerConfig:
+    """Defaults, then the TOML file, then ``inline`` (the same document shape, e.g. from vLLM's JSON), then
+    overrides (command-line flags)."""
     cfg = WorkerConfig()
     if path:
         try:
@@ -113,12 +129,70 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
                 doc = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        worker = doc.pop("worker", {})
-        _apply(cfg, worker, "", path)
-        _apply(cfg, doc, "", path)
+        _apply_doc(cfg, doc, path)
+    if inline is not None:
+        _apply_doc(cfg, inline, inline_source)
     if overrides:
         _apply(cfg, overrides, "", "command line")
     return cfg
+
+
+class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """The tier's keys in vLLM's ``kv_connector_extra_config["secondary_tiers"][i]`` (besides type/module_path).
+
+    Here, not in vllm_adapter, so ``p2pworker config check`` reads a vLLM JSON without importing vLLM."""
+
+    locality: str | None = None
+    host: str | None = None  # default: $VLLM_P2P_SIDE_CHANNEL_HOST, else 127.0.0.1
+    port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # base; the worker binds port + DP index
+    worker_config: str | None = None  # the worker's TOML (a path; relative to vLLM's working directory)
+    # the worker's settings inline, the TOML's shape ({"worker": {...}, "control": {...}, ...}); over worker_config
+    worker_settings: dict[str, Any] | None = None
+    backend: Backend | None = None  # set: overrides the settings' [data] backend
+    rings: str | None = None  # attach to an operator-launched worker instead of spawning one
+    start_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
+    worker_stall_s: Annotated[float, Meta(gt=0)] = 5.0  # no event (heartbeats every 0.5 s) from a live pid: wedged
+
+
+TIER_SOURCE = "kv_connector_extra_config.secondary_tiers[P2PWorkerTier]"
+
+
+def tier_settings(config: dict[str, Any], env: Mapping[str, str] = os.environ) -> tuple[TierSettings, WorkerConfig]:
+    """The tier's keys typed and range-checked, and the settings its worker will run with: worker_config, then
+    worker_settings, then the tier's own host/port/backend.  Checked now, so vLLM's start fails naming the key,
+    not when the worker starts.
+
+    Host: the tier's ``host``, else $VLLM_P2P_SIDE_CHANNEL_HOST, else the settings' control.host.  Port (the
+    base; the worker binds base + DP index): the tier's ``port``, else $VLLM_P2P_SIDE_CHANNEL_PORT, else the
+    settings' control.port, else 5710: vLLM's own p2p tier's convention first."""
+    try:
+        s = msgspec.convert(config, TierSettings, strict=True)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{TIER_SOURCE}: {e}") from None
+    try:
+        cfg = load_config(s.worker_config, inline=s.worker_settings, inline_source=f"{TIER_SOURCE}.worker_settings")
+    except OSError as e:
+        raise ConfigError(f"{TIER_SOURCE}.worker_config: {e}") from None
+    cfg.control.host = s.host or env.get(HOST_ENV) or cfg.control.host
+    if s.port is not None:
+        cfg.control.port = s.port
+    elif PORT_ENV in env or cfg.control.port is None:
+        cfg.control.port = int(env.get(PORT_ENV, DEFAULT_PORT))
+    if s.backend is not None:
+        cfg.data.backend = s.backend
+    return s, cfg
+
+
+def tier_entries(doc: Any) -> list[dict[str, Any]]:
+    """The P2PWorkerTier entries of a vLLM JSON: a --kv-transfer-config, its kv_connector_extra_config, or one
+    secondary tier's entry."""
+    if isinstance(doc, dict) and "kv_connector_extra_config" in doc:
+        doc = doc["kv_connector_extra_config"]
+    if isinstance(doc, dict) and "secondary_tiers" in doc:
+        doc = doc["secondary_tiers"]
+    entries = doc if isinstance(doc, list) else [doc]
+    return [{k: v for k, v in e.items() if k not in ("type", "module_path")}
+            for e in entries if isinstance(e, dict) and e.get("type") == "P2PWorkerTier"]
 
 
 def effective(cfg: WorkerConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import ipaddress
+import importlib
 import logging
 import math
 import os
@@ -30,7 +31,6 @@ import time
 from typing import Any, Callable
 
 import msgspec
-import numpy as np
 import zmq
 
 from p2pworker import api
@@ -64,7 +64,7 @@ from p2pworker.shm import KVRegion, Ring, Role
 
 log = logging.getLogger("p2pworker.worker")
 
-CORRUPT_ENV = "P2PWORKER_TEST_CORRUPT_LOADS"  # test-only: see Worker._scramble
+HOOK_ENV = "P2PWORKER_HOOK"  # "module:function": called with the Worker before it runs (see install_hook)
 
 LIVENESS_CHECK_S = 0.25
 TRIM_S = 60.0  # how often freed heap is handed back to the kernel (see _trim)
@@ -141,10 +141,6 @@ class Worker:
         self._poll_epoch: int | None = None  # the control sockets_epoch the poller was built for
         # Test-only negative control (tests/e2e): scramble every row a load writes, so a test can show
         # that wrong KV changes vLLM's output.  Never set in production; loudly logged when set.
-        self._corrupt: dict[int, dict[bytes, int]] | None = None
-        if os.environ.get(CORRUPT_ENV) == "1":
-            self._corrupt = {}
-            log.warning("%s=1: this worker CORRUPTS every block it loads (test-only switch)", CORRUPT_ENV)
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.identity: dict = {}  # the adapter's KV identity (model, dtype, ...) from AttachRegion; metric labels
         self.metrics = None
@@ -345,8 +341,6 @@ class Worker:
                     if why is not PARKED:
                         self._fail_now(cmd.job_id, "load", why)
                     return
-                if self._corrupt is not None:
-                    self._corrupt[cmd.job_id] = dict(zip(cmd.keys, cmd.rows))
                 self._run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
             case api.LookupKeys():
                 s, why = (None, "worker not ready") if self.ctx is None or self.stopping else \
@@ -663,8 +657,6 @@ class Worker:
                 self._log_failed(ev)
             elif isinstance(ev, SessionClosed):
                 log.info("session with %s closed: %s", ev.peer_id or "?", ev.reason)
-            if self._corrupt is not None and isinstance(ev, JobDone) and ev.kind == "load":
-                self._scramble(ev)
             self.pending.append(_to_api(ev))
         if self.evt.pending_bytes and not self.evt.flush():  # the tail of an event that spans slots, first
             return
@@ -695,22 +687,6 @@ class Worker:
         if self._failed_log[1] <= FAILED_LOG_PER_S:
             log.info("%s job %d failed after %.3f s (%d keys moved): %s", ev.kind, ev.job_id, ev.seconds,
                      len(ev.keys), ev.reason)
-
-    def _scramble(self, ev: JobDone) -> None:
-        """Test-only: rotate every row this load wrote (valid values in the wrong places).
-
-        Row writes (invariant 7): our own rows, by this process, BEFORE the JobFinished event is queued for the
-        adapter (it runs from _flush_events ahead of the event), so never after the job was reported."""
-        rows_of = self._corrupt.pop(ev.job_id, {})
-        if self.region is None:
-            return
-        arr = self.region.array()
-        shift = max(64, arr.shape[1] // 3 // 64 * 64)  # whole 64-byte units: every value stays a valid number
-        for k in ev.keys:
-            r = rows_of.get(k)
-            if r is not None:
-                arr[r] = np.roll(arr[r], shift)
-        self.counters["test_corrupted_rows"] += len(ev.keys)
 
     # ------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
@@ -863,3 +839,19 @@ def _to_api(ev) -> api.Event:
     if isinstance(ev, SessionClosed):
         return api.PeerDown(ev.peer_id, ev.reason)
     return ev  # already an api event (Ready, Drained, WorkerError)
+
+
+def install_hook(worker: Worker, env=os.environ) -> str | None:
+    """The one extension point: ``$P2PWORKER_HOOK=module:function`` calls ``function(worker)`` before the worker
+    runs (tests/hooks/corrupt_loads.py, the e2e negative control, wraps two of its methods).  Test code only: it
+    runs inside the worker with full access, so the worker logs a warning naming it.  Returns what was installed."""
+    spec = env.get(HOOK_ENV)
+    if not spec:
+        return None
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"${HOOK_ENV}={spec!r}: expected module:function")
+    fn = getattr(importlib.import_module(module), name)
+    fn(worker)
+    log.warning("$%s=%s installed: this worker runs test code", HOOK_ENV, spec)
+    return spec

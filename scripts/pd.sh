@@ -19,6 +19,8 @@
 #   PREFILL_HTTP [8100], DECODE_HTTP [8200], PROXY_PORT [8000]: HTTP ports
 #   PREFILL_P2P [5710], DECODE_P2P [5810]: the workers' control ports (base; + DP index)
 #   CPU_BYTES [268435456]  size of each engine's CPU KV tier (/dev/shm)
+#   PREFILL_WORKER_METRICS, DECODE_WORKER_METRICS [0]: >0: that engine's p2pworker serves Prometheus metrics on
+#                        127.0.0.1:<port>/metrics (given inline as the tier's worker_settings, over configs/<role>.toml)
 #   P2PWORKER_SECRET     shared control-plane secret (generated into RUN_DIR if unset)
 #   HEALTH_TIMEOUT_S [240], STOP_TIMEOUT_S [30]
 #   VLLM_ARGS            extra arguments for both engines (e.g. "--dtype float32 --max-model-len 2048")
@@ -34,6 +36,8 @@ PROXY_PORT=${PROXY_PORT:-8000}
 PREFILL_P2P=${PREFILL_P2P:-5710}
 DECODE_P2P=${DECODE_P2P:-5810}
 CPU_BYTES=${CPU_BYTES:-268435456}
+PREFILL_WORKER_METRICS=${PREFILL_WORKER_METRICS:-0}
+DECODE_WORKER_METRICS=${DECODE_WORKER_METRICS:-0}
 HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-240}
 STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-30}
 PY="$VENV/bin/python"
@@ -45,21 +49,23 @@ alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
 kv_config() {  # role port engine_id -> the --kv-transfer-config JSON
   "$PY" - "$@" <<'EOF'
 import json, sys
-role, port, engine_id, platform, cpu_bytes, root = sys.argv[1:7]
+role, port, engine_id, platform, cpu_bytes, root, metrics = sys.argv[1:8]
 spec = ({"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "vllm_adapter.cpu_spec"}
         if platform == "cpu" else {"spec_name": "TieringOffloadingSpec"})
+tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": int(port),
+        "worker_config": f"{root}/configs/{role}.toml"}
+if int(metrics):  # inline settings over the file: the worker's Prometheus endpoint
+    tier["worker_settings"] = {"worker": {"metrics_port": int(metrics)}}
 print(json.dumps({
     "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
-    "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": int(cpu_bytes), "secondary_tiers": [{
-        "type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": int(port),
-        "worker_config": f"{root}/configs/{role}.toml"}]}}))
+    "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": int(cpu_bytes), "secondary_tiers": [tier]}}))
 EOF
 }
 
-start_engine() {  # role http_port p2p_port extra_env
-  local role=$1 http=$2 p2p=$3 extra_env=$4 engine_id cfg
+start_engine() {  # role http_port p2p_port extra_env worker_metrics_port
+  local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 engine_id cfg
   engine_id="p2pw-$role-$$"
-  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT")
+  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics")
   echo "$cfg" > "$RUN_DIR/$role.kv.json"
   echo "$engine_id" > "$RUN_DIR/$role.engine_id"
   # shellcheck disable=SC2086  # VLLM_ARGS and extra_env are word lists on purpose
@@ -149,8 +155,8 @@ cmd_start() {
     P2PWORKER_SECRET=$(cat "$RUN_DIR/secret")
   fi
   export P2PWORKER_SECRET
-  start_engine prefill "$PREFILL_HTTP" "$PREFILL_P2P" "${PREFILL_ENV:-}"
-  start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}"
+  start_engine prefill "$PREFILL_HTTP" "$PREFILL_P2P" "${PREFILL_ENV:-}" "$PREFILL_WORKER_METRICS"
+  start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}" "$DECODE_WORKER_METRICS"
   setsid "$VENV/bin/p2pworker" proxy --port "$PROXY_PORT" --prefill "http://127.0.0.1:$PREFILL_HTTP" \
     --decode "http://127.0.0.1:$DECODE_HTTP" --prefill-worker "127.0.0.1:$PREFILL_P2P" \
     > "$RUN_DIR/proxy.log" 2>&1 < /dev/null &
@@ -180,7 +186,7 @@ case "${1:-}" in
     [ -n "${MODEL:-}" ] || die "set MODEL"
     export P2PWORKER_SECRET=${P2PWORKER_SECRET:-$(cat "$RUN_DIR/secret")}
     stop_role decode
-    start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}"
+    start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}" "$DECODE_WORKER_METRICS"
     wait_health decode "http://127.0.0.1:$DECODE_HTTP/health" ;;
-  *) sed -n '2,25p' "$0"; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

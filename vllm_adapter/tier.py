@@ -46,16 +46,16 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import enum
+import json
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Iterable, Literal
+from typing import Any, ClassVar, Iterable
 
-import msgspec
 import numpy as np
-from msgspec import Meta
 
 from vllm.v1.kv_offload.base import (
     CacheHitSource,
@@ -69,8 +69,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from p2pworker import api
 from p2pworker.client import WorkerClient
-from p2pworker.config import ConfigError, load_config
-from p2pworker.control.base import HOST_ENV, default_port
+from p2pworker.config import ConfigError, TierSettings, WorkerConfig
+from p2pworker.config import tier_settings as _tier_settings
 from p2pworker.errors import MessageTooLarge, P2PError
 from p2pworker.shm.maps import handle_for_range
 
@@ -78,30 +78,37 @@ log = logging.getLogger("vllm_adapter.tier")
 
 RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
 LIVENESS_CHECK_S = 0.05
-WORKER_STALL_S = 5.0  # no event (heartbeats every 0.5 s) for this long from a live pid: the worker is wedged
 POLL_THREAD_GONE_S = 0.1  # no off-thread poll for this long: on_schedule_end flushes commands itself
 RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park_timeout_s
 
 
-class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
-    """The tier's own keys in ``kv_connector_extra_config["secondary_tiers"][i]`` (besides type/module_path)."""
-
-    locality: str | None = None
-    host: str | None = None  # default: $VLLM_P2P_SIDE_CHANNEL_HOST, else 127.0.0.1
-    port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # base; the worker binds port + DP index
-    worker_config: str | None = None  # the worker's TOML (a path; relative to vLLM's working directory)
-    backend: Literal["auto", "nixl", "zmq"] = "auto"
-    rings: str | None = None  # attach to an operator-launched worker instead of spawning one
-    start_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
-    worker_stall_s: Annotated[float, Meta(gt=0)] = WORKER_STALL_S
+class _Kind(enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
 
 
-def tier_settings(config: dict) -> TierSettings:
-    """Typed, range-checked tier keys; an unknown or invalid one fails vLLM's start naming it."""
+# The tier's own series on vLLM's /metrics (README "Metrics"; dashboards/p2pworker.json queries them).
+M_LOADS = "vllm:kv_offload_p2pworker_loads"
+M_STORES = "vllm:kv_offload_p2pworker_stores"
+M_DEATHS = "vllm:kv_offload_p2pworker_worker_deaths"
+M_RESTARTS = "vllm:kv_offload_p2pworker_worker_restarts"
+M_IN_FLIGHT = "vllm:kv_offload_p2pworker_jobs_in_flight"
+TIER_METRICS: dict[str, tuple[_Kind, tuple[str, ...], str]] = {
+    M_LOADS: (_Kind.COUNTER, ("outcome",), "Load jobs (peer -> this engine's CPU tier) finished, by outcome"),
+    M_STORES: (_Kind.COUNTER, ("outcome",), "Store jobs (rows offered to peers) finished, by outcome"),
+    M_DEATHS: (_Kind.COUNTER, (), "p2pworker processes of this engine that died or were killed as wedged"),
+    M_RESTARTS: (_Kind.COUNTER, (), "p2pworker processes this engine restarted after a death"),
+    M_IN_FLIGHT: (_Kind.GAUGE, (), "Jobs submitted to the worker and not yet reported"),
+}
+
+
+def tier_settings(config: dict) -> tuple[TierSettings, WorkerConfig]:
+    """Typed, range-checked tier keys and the worker settings they give; an unknown or invalid one fails vLLM's
+    start naming it (p2pworker.config.TierSettings)."""
     try:
-        return msgspec.convert(config, TierSettings, strict=True)
-    except msgspec.ValidationError as e:
-        raise P2PError(f"P2PWorkerTier config (kv_connector_extra_config.secondary_tiers): {e}") from None
+        return _tier_settings(config)
+    except ConfigError as e:
+        raise P2PError(f"P2PWorkerTier config: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -157,21 +164,15 @@ class P2PWorkerTier(SecondaryTierManager):
     ):
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                          tier_type=tier_type, backpressure_detector=backpressure_detector)
-        s = tier_settings(tier_config)
-        locality, host, port, worker_config, backend, rings = s.locality, s.host, s.port, s.worker_config, \
-            s.backend, s.rings
+        s, wcfg = tier_settings(tier_config)
+        locality, rings = s.locality, s.rings
         start_timeout_s, worker_stall_s = s.start_timeout_s, s.worker_stall_s
-        if worker_config is not None:
-            try:  # fail vLLM's start now, naming the file and the key, not when the worker reads it
-                load_config(worker_config)
-            except (OSError, ConfigError) as e:
-                raise P2PError(f"P2PWorkerTier worker_config: {e}") from None
         if locality is not None:
             self.locality = Locality(str(locality).upper())
         cfg = offloading_spec.config
         dp = int(getattr(cfg.parallel, "data_parallel_index", 0) or 0)
-        self.host = host or os.environ.get(HOST_ENV, "127.0.0.1")
-        base = int(port) if port is not None else default_port(0)
+        self.host = wcfg.control.host  # the tier's keys, vLLM's environment convention, the worker's settings
+        base = wcfg.control.port
         self.port = base + dp  # what peers dial: base + DP index, like vLLM's own p2p tier
         self.num_blocks = int(primary_kv_view.shape[0])
         self.block_bytes = int(primary_kv_view.strides[0])
@@ -179,8 +180,11 @@ class P2PWorkerTier(SecondaryTierManager):
         self._handle = handle_for_range(address, self.num_blocks * self.block_bytes, self.num_blocks, self.block_bytes)
         self._identity = fingerprint_identity(offloading_spec)
         self._name = f"vllm-{cfg.engine_id}"[:60].replace("/", "_")
-        self._worker_args = ["--host", self.host, "--port", str(base), "--dp-index", str(dp), "--backend", backend]
-        self._worker_config = worker_config
+        self._worker_args = ["--host", self.host, "--port", str(base), "--dp-index", str(dp),
+                             "--backend", wcfg.data.backend]
+        if s.worker_settings is not None:
+            self._worker_args += ["--settings-json", json.dumps(s.worker_settings)]
+        self._worker_config = s.worker_config
         self._rings = rings  # set: attach to an operator-launched worker (p2pworker launch --rings <rings>)
         self._jobs: dict[int, tuple[str, list[bytes], str, float]] = {}  # job -> (kind, keys, kv_request_id, t0)
         self._results: list[JobResult] = []
@@ -210,6 +214,7 @@ class P2PWorkerTier(SecondaryTierManager):
         self._attach_error: str | None = None
         self.restarts = 0
         self._stats = {"loads_ok": 0, "loads_failed": 0, "stores_ok": 0, "stores_failed": 0, "worker_deaths": 0}
+        self._reported: dict[tuple[str, tuple[str, ...]], int] = {}  # what get_stats has handed vLLM so far
         self._start_worker()
         deadline = time.monotonic() + start_timeout_s
         while not self._ready:  # start-up only: the engine is not serving yet
@@ -552,10 +557,43 @@ class P2PWorkerTier(SecondaryTierManager):
             log.info("p2pworker %s exited with %s", self._name, code)
         self._primary_kv_view = None  # do not keep vLLM's mapping exported
 
+    @classmethod
+    def build_metric_definitions(cls, tier_config: dict) -> dict:
+        """vLLM's metric hook (0.32 and 0.33): the series this tier reports through ``get_stats``.  vLLM adds its
+        own engine/model labels and serves them on the engine's /metrics (counters with ``_total``)."""
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+
+        return {name: (OffloadingCounterMetadata if kind is _Kind.COUNTER else OffloadingGaugeMetadata)(
+                    documentation=doc, labelnames=labels)
+                for name, (kind, labels, doc) in TIER_METRICS.items()}
+
     def get_stats(self):
-        """vLLM's metric hook: None (the tiering manager already records this tier's read/write bytes
-        and times from our JobResults).  Our own counters are ``counters()``."""
-        return None
+        """vLLM's metric hook: what changed since the last call (vLLM sums counter increments and keeps the last
+        gauge value).  The first call reports every series, zeros included, so each exists from the start and a
+        dashboard query never meets a missing series."""
+        now = self._series()
+        changed = {k: v for k, v in now.items() if self._reported.get(k) != v}
+        if not changed:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        stats = OffloadingConnectorStats()
+        for (name, labels), value in changed.items():
+            if TIER_METRICS[name][0] is _Kind.COUNTER:
+                stats.increase_counter(name, value - self._reported.get((name, labels), 0), labels)
+            else:
+                stats.set_gauge(name, value, labels)
+        self._reported.update(changed)
+        return stats
+
+    def _series(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        st = self._stats
+        return {
+            (M_LOADS, ("ok",)): st["loads_ok"], (M_LOADS, ("failed",)): st["loads_failed"],
+            (M_STORES, ("ok",)): st["stores_ok"], (M_STORES, ("failed",)): st["stores_failed"],
+            (M_DEATHS, ()): st["worker_deaths"], (M_RESTARTS, ()): self.restarts,
+            (M_IN_FLIGHT, ()): len(self._jobs),
+        }
 
     def counters(self) -> dict:
         """Jobs and worker restarts seen by this tier (also what ``p2pworker inspect`` shows worker-side)."""

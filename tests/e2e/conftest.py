@@ -51,12 +51,15 @@ class PD:
 
     def __init__(self, model: str, run_dir: str):
         self.model, self.run_dir = model, run_dir
-        (self.prefill_http, self.decode_http, self.proxy_port, self.prefill_p2p, self.decode_p2p) = free_ports(5)
+        (self.prefill_http, self.decode_http, self.proxy_port, self.prefill_p2p, self.decode_p2p,
+         self.prefill_worker_metrics, self.decode_worker_metrics) = free_ports(7)
         self.env = {
             **os.environ, "MODEL": model, "SERVED_NAME": "tiny", "RUN_DIR": run_dir, "VENV": sys.prefix,
             "PREFILL_HTTP": str(self.prefill_http), "DECODE_HTTP": str(self.decode_http),
             "PROXY_PORT": str(self.proxy_port), "PREFILL_P2P": str(self.prefill_p2p),
-            "DECODE_P2P": str(self.decode_p2p), "CPU_BYTES": str(64 << 20), "HEALTH_TIMEOUT_S": "300",
+            "DECODE_P2P": str(self.decode_p2p), "PREFILL_WORKER_METRICS": str(self.prefill_worker_metrics),
+            "DECODE_WORKER_METRICS": str(self.decode_worker_metrics), "CPU_BYTES": str(64 << 20),
+            "HEALTH_TIMEOUT_S": "300",
             "VLLM_ARGS": f"--enforce-eager --dtype float32 --max-model-len {MAX_MODEL_LEN} --max-num-seqs 8",
             "PREFILL_ENV": "VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1",
             "DECODE_ENV": "VLLM_CPU_OMP_THREADS_BIND=1 VLLM_CPU_KVCACHE_SPACE=1",
@@ -74,7 +77,8 @@ class PD:
 
     # ---------------------------------------------------------------- requests
     def url(self, which: str) -> str:
-        port = {"prefill": self.prefill_http, "decode": self.decode_http, "proxy": self.proxy_port}[which]
+        port = {"prefill": self.prefill_http, "decode": self.decode_http, "proxy": self.proxy_port,
+                "prefill-worker": self.prefill_worker_metrics, "decode-worker": self.decode_worker_metrics}[which]
         return f"http://127.0.0.1:{port}"
 
     def complete(self, which: str, prompt: str, max_tokens: int = 12, **extra) -> tuple[list[str], list[float]]:

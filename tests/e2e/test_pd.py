@@ -8,7 +8,9 @@ The tests run in file order on one pair of engines (scripts/pd.sh start ... stop
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import statistics
 import threading
@@ -18,7 +20,7 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import BLOCK, MAX_MODEL_LEN
+from tests.e2e.conftest import BLOCK, MAX_MODEL_LEN, ROOT, _http
 from tests.e2e.tiny_model import prompt
 
 pytestmark = pytest.mark.timeout(600)
@@ -156,10 +158,11 @@ def test_decode_restart_mid_run(pd):
 
 
 def test_negative_control_corrupted_transfer_changes_output(pd):
-    """The test can fail: with the decode worker scrambling every block it loads (test-only switch
-    P2PWORKER_TEST_CORRUPT_LOADS=1), the KV still comes from P2P but the output differs from the
-    single-engine answer."""
-    p = pd.script("restart-decode", DECODE_ENV=pd.env["DECODE_ENV"] + " P2PWORKER_TEST_CORRUPT_LOADS=1")
+    """The test can fail: with the decode worker scrambling every block it loads (tests/hooks/corrupt_loads.py,
+    loaded through the worker's one hook, $P2PWORKER_HOOK), the KV still comes from P2P but the output differs
+    from the single-engine answer."""
+    hook = f" P2PWORKER_HOOK=tests.hooks.corrupt_loads:install PYTHONPATH={ROOT}"
+    p = pd.script("restart-decode", DECODE_ENV=pd.env["DECODE_ENV"] + hook)
     assert p.returncode == 0, f"restart-decode failed:\n{p.stdout}\n{p.stderr}"
     differ = 0
     for n, seed in ((520, 5000), (900, 5001)):
@@ -167,3 +170,24 @@ def test_negative_control_corrupted_transfer_changes_output(pd):
         assert cached == expected_p2p_tokens(n)
         differ += got[0] != want[0]
     assert differ == 2, "corrupted KV did not change the output: the equality tests would prove nothing"
+
+
+def test_every_metric_the_dashboard_queries_is_exported(pd):
+    """dashboards/p2pworker.json: each metric a panel queries appears on this running pair's endpoints, vLLM's
+    /metrics (its own series and the tier's, through vLLM's metric hook) or a worker's (worker_settings inline in
+    the kv-transfer-config turned them on).  Runs after the requests above, so every series has had a sample."""
+    with open(os.path.join(ROOT, "dashboards", "p2pworker.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(dash["panels"]) >= 6 and all(exprs)
+    queried = {m for e in exprs for m in re.findall(r"\b((?:vllm:|p2pworker_)[A-Za-z0-9_:]*)", e)}
+    exported = set()
+    for which in ("prefill", "decode", "prefill-worker", "decode-worker"):
+        text = _http(pd.url(which) + "/metrics")
+        exported |= set(re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{| )", text, re.M))
+    missing = sorted(queried - exported)
+    assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
+    # the tier's own counters reached vLLM's /metrics with real counts (not only declared)
+    assert pd.metric("decode", "vllm:kv_offload_p2pworker_loads_total", outcome="ok") >= 1
+    assert pd.metric("prefill", "vllm:kv_offload_p2pworker_worker_deaths_total") >= 1  # killed mid-transfer above
+    print(f"dashboard: {len(dash['panels'])} panels query {len(queried)} metrics, all exported: {sorted(queried)}")

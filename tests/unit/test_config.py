@@ -29,7 +29,7 @@ def test_overrides_win_and_unknown_keys_are_named(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(f"{p}: $.control.prot: unknown key")):
         load_config(str(p))
     p.write_text("[worker]\nnmae = 'x'\n")
-    with pytest.raises(ConfigError, match=re.escape("$.nmae: unknown key")):
+    with pytest.raises(ConfigError, match=re.escape("$.worker.nmae: unknown key")):
         load_config(str(p))
 
 
@@ -38,7 +38,7 @@ def test_overrides_win_and_unknown_keys_are_named(tmp_path):
     ("[control]\nport = 70000\n", "$.control.port", "<= 65535"),
     ("[control]\nheartbeat_interval_s = -1\n", "$.control.heartbeat_interval_s", "> 0.0"),
     ("[data]\nbackend = 'nixxl'\n", "$.data.backend", "Invalid enum value 'nixxl'"),
-    ("[worker]\nprefault = 'yes'\n", "$.prefault", "Expected `bool`"),
+    ("[worker]\nprefault = 'yes'\n", "$.worker.prefault", "Expected `bool`"),
     ("[session]\nload_timeout_s = 7200\n", "$.session.load_timeout_s", "<= 3600"),
     ("[control]\nmax_frame_bytes = 1024\n", "$.control.max_frame_bytes", ">= 4194304"),
     ("session = 3\n", "$.session", "must be a table"),
@@ -59,3 +59,31 @@ def test_bad_toml_and_bad_overrides_name_their_source(tmp_path):
         load_config(str(p))
     with pytest.raises(ConfigError, match=re.escape("command line: $.control.dp_index")):
         load_config(None, {"control": {"dp_index": -1}})
+
+
+def test_tier_settings_inline_over_file_and_address_precedence(tmp_path):
+    """The tier's JSON: worker_config, then worker_settings (the same document shape), then the tier's own
+    host/port/backend; host and port follow vLLM's p2p environment convention before the settings."""
+    from p2pworker.config import tier_entries, tier_settings
+
+    p = tmp_path / "w.toml"
+    p.write_text("[worker]\nrole = 'decode'\n[control]\nhost = '10.0.0.5'\nport = 7000\n[data]\nbackend = 'zmq'\n")
+    inline = {"worker": {"metrics_port": 9100}, "data": {"backend": "nixl"}}
+    entry = {"worker_config": str(p), "worker_settings": inline}
+    s, cfg = tier_settings(entry, env={})
+    assert (cfg.role, cfg.metrics_port, cfg.data.backend) == ("decode", 9100, "nixl")  # inline over the file
+    assert (cfg.control.host, cfg.control.port) == ("10.0.0.5", 7000)  # the settings, nothing above them
+    _, cfg = tier_settings(entry, env={"VLLM_P2P_SIDE_CHANNEL_HOST": "10.1.1.1", "VLLM_P2P_SIDE_CHANNEL_PORT": "6000"})
+    assert (cfg.control.host, cfg.control.port) == ("10.1.1.1", 6000)
+    _, cfg = tier_settings({**entry, "host": "10.2.2.2", "port": 5000, "backend": "auto"},
+                           env={"VLLM_P2P_SIDE_CHANNEL_HOST": "10.1.1.1", "VLLM_P2P_SIDE_CHANNEL_PORT": "6000"})
+    assert (cfg.control.host, cfg.control.port, cfg.data.backend) == ("10.2.2.2", 5000, "auto")
+    _, cfg = tier_settings({}, env={})
+    assert (cfg.control.host, cfg.control.port) == ("127.0.0.1", 5710)
+    with pytest.raises(ConfigError, match=re.escape("secondary_tiers[P2PWorkerTier].worker_settings: $.worker.role")):
+        tier_settings({"worker_settings": {"worker": {"role": "prefil"}}}, env={})
+    with pytest.raises(ConfigError, match=re.escape("got `array` - at `$.worker_settings`")):
+        tier_settings({"worker_settings": [1]}, env={})
+    doc = {"kv_connector_extra_config": {"secondary_tiers": [{"type": "Other"}, {"type": "P2PWorkerTier", "port": 1,
+                                                                                 "module_path": "m"}]}}
+    assert tier_entries(doc) == [{"port": 1}]

@@ -69,13 +69,26 @@ class Engine:
         self.view = self.tier._primary_kv_view
         self.mmap_path = self.spec._scheduler_mmap.mmap_path
         self.row = row
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        self.stats = OffloadingConnectorStats()  # every get_stats payload summed, as vLLM's frontend does
+
+    def metric(self, name: str) -> dict:
+        """What vLLM's /metrics would show for ``name`` so far: {label values: value}."""
+        with self.lock:
+            self._collect(self.mgr.get_stats())
+        return dict(self.stats.data["data"].get(name, {}))
+
+    def _collect(self, stats) -> None:
+        assert stats is None or hasattr(stats, "is_empty"), stats
+        if stats is not None and not stats.is_empty():
+            self.stats.aggregate(stats)
 
     def step(self, new=()) -> None:
         """One scheduler step as OffloadingConnector runs it (incl. the metric hooks every step calls)."""
         with self.lock:
             self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
-            stats = self.mgr.get_stats()
-            assert stats is None or hasattr(stats, "is_empty"), stats
+            self._collect(self.mgr.get_stats())
             if hasattr(self.mgr, "config_info"):
                 self.mgr.config_info()
 

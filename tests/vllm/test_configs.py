@@ -35,10 +35,13 @@ def test_snippet_resolves(path):
     (tier,) = extra["secondary_tiers"]
     tier_cls = getattr(importlib.import_module(tier["module_path"]), tier["type"])
     assert issubclass(tier_cls, SecondaryTierManager)
-    wc = load_config(os.path.join(ROOT, tier["worker_config"]))
-    assert wc.control.port == tier["port"]
+    assert "worker_config" not in tier, "shipped snippets carry their worker settings inline (no relative path)"
     own = {k: v for k, v in tier.items() if k not in ("type", "module_path")}  # what vLLM passes the tier
-    tier_settings(own)  # typed and range-checked: raises on an unknown or invalid key
+    _, wc = tier_settings(own)  # typed and range-checked: raises on an unknown or invalid key
+    role = "prefill" if "prefill" in os.path.basename(path) else "decode"
+    assert wc.role == role and wc.control.port == tier["port"]
+    assert wc == load_config(os.path.join(ROOT, "configs", f"{role}.toml"), {"name": "p2pworker"}), \
+        "the inline settings of the JSON snippet and configs/<role>.toml say different things"
 
 
 @pytest.mark.parametrize("bad,what", [
@@ -46,6 +49,9 @@ def test_snippet_resolves(path):
     ({"port": "5710"}, "$.port"),
     ({"backend": "nixxl"}, "$.backend"),
     ({"worker_stall_s": -1}, "$.worker_stall_s"),
+    ({"worker_settings": {"control": {"port": "x"}}}, "worker_settings: $.control.port"),
+    ({"worker_settings": {"sesion": {}}}, "worker_settings: $.sesion: unknown key"),
+    ({"worker_config": "/no/such.toml"}, "worker_config: [Errno 2]"),
 ])
 def test_tier_keys_are_typed_and_unknown_ones_refused(bad, what):
     with pytest.raises(P2PError, match=re.escape(what)) as ei:

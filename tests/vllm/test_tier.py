@@ -11,7 +11,7 @@ import pytest
 import vllm
 
 from tests.vllm.harness import ROW, Engine, LookupResult, ReqContext, key, payload, run_until
-from vllm_adapter.tier import P2PWorkerTier, PDRole, parse_role
+from vllm_adapter.tier import M_DEATHS, M_IN_FLIGHT, M_LOADS, TIER_METRICS, P2PWorkerTier, PDRole, parse_role
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,6 +62,11 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     st_p, st_d = prefill.tier.counters(), decode.tier.counters()
     assert st_d["loads_ok"] == 1 and st_d["loads_failed"] == 0
     assert st_p["stores_ok"] >= 1 and st_p["stores_failed"] == 0 and st_p["jobs_in_flight"] == 0
+    # the same counts reach vLLM through its metric hook (the manager's get_stats, summed as vLLM's frontend does)
+    assert decode.metric(M_LOADS) == {("ok",): 1, ("failed",): 0}
+    assert decode.metric(M_DEATHS) == {(): 0} and decode.metric(M_IN_FLIGHT) == {(): 0}
+    assert decode.metric(M_LOADS) == {("ok",): 1, ("failed",): 0}, "an unchanged count was reported twice"
+    assert set(P2PWorkerTier.build_metric_definitions({})) == set(TIER_METRICS)
 
 
 def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
@@ -119,6 +124,7 @@ def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
     run_until([decode], decode.idle, timeout_s=10)  # the manager would assert on a double or unknown report
     assert time.monotonic() - t0 < 2.0
     assert decode.tier.counters()["worker_deaths"] == 1
+    assert decode.metric(M_DEATHS) == {(): 1}
     assert not os.path.exists(old_admin), "the killed worker's admin socket was left behind"
     ctx2 = ReqContext(req_id="d4", kv_transfer_params={**params, "remote_prefiller": {
         **params["remote_prefiller"], "kv_request_id": "kv-new"}})
