@@ -215,8 +215,8 @@ class Worker:
         if now >= self._next_liveness:
             self._next_liveness = now + LIVENESS_CHECK_S
             status = self.cmd.peer_status()
-            if status in ("dead", "closed"):
-                self.stop(f"the adapter is gone (command ring producer {status})")
+            if status.gone:
+                self.stop(f"the adapter is gone (command ring producer {status.value})")
         self._flush_events()
         self.admin.serve()
         # pending events, or one that spans slots and is partly out: the adapter frees slots as it polls

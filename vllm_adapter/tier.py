@@ -111,11 +111,38 @@ def tier_settings(config: dict) -> tuple[TierSettings, WorkerConfig]:
         raise P2PError(f"P2PWorkerTier config: {e}") from None
 
 
+class RoleKind(enum.Enum):
+    PRODUCER = "producer"  # remote_decoder: our blocks are offered to the decode engine's worker
+    CONSUMER = "consumer"  # remote_prefiller: a PD decode; every lookup is answered by that producer
+    SYMMETRIC = "symmetric"  # remote_kv_source: look up what a peer engine holds, load the hits
+    NONE = "none"  # no (usable) P2P params: MISS, recompute
+
+    @property
+    def loads(self) -> bool:
+        """Its lookups go to a peer and its hits are loaded from there."""
+        return self in (RoleKind.CONSUMER, RoleKind.SYMMETRIC)
+
+
+class _JobKind(enum.Enum):
+    LOAD = "load"  # peer -> our rows (a PD or symmetric consumer)
+    STORE = "store"  # our rows offered to peers (a producer, or serving a symmetric lookup)
+
+
+@dataclass(frozen=True)
+class _OpenJob:
+    """A job vLLM submitted that the worker has not reported yet."""
+
+    kind: _JobKind
+    keys: list[bytes]
+    kv_request_id: str
+    t0: float  # monotonic, at submit
+
+
 @dataclass(frozen=True)
 class PDRole:
     """What a request is to this tier, parsed once from kv_transfer_params."""
 
-    kind: str  # "producer" | "consumer" (PD) | "symmetric" | "none"
+    kind: RoleKind
     kv_request_id: str = ""
     address: str = ""  # consumer: the producer's worker, host:port
 
@@ -123,21 +150,21 @@ class PDRole:
 def parse_role(params: Any) -> PDRole:
     """vLLM's kv_transfer_params -> PDRole; invalid params are logged and give role none (MISS)."""
     if not isinstance(params, dict):
-        return PDRole("none")
+        return PDRole(RoleKind.NONE)
     dec = params.get("remote_decoder")
     if isinstance(dec, dict):
         rid = dec.get("kv_request_id")
         if isinstance(rid, str) and rid:
-            return PDRole("producer", rid)
+            return PDRole(RoleKind.PRODUCER, rid)
         log.error("remote_decoder without a usable kv_request_id: %r; not offloading to peers", dec)
-        return PDRole("none")
-    for field_name, kind in (("remote_prefiller", "consumer"), ("remote_kv_source", "symmetric")):
+        return PDRole(RoleKind.NONE)
+    for field_name, kind in (("remote_prefiller", RoleKind.CONSUMER), ("remote_kv_source", RoleKind.SYMMETRIC)):
         pre = params.get(field_name)
         if pre is None:
             continue
         if not isinstance(pre, dict):
             log.error("invalid %s %r; recomputing", field_name, pre)
-            return PDRole("none")
+            return PDRole(RoleKind.NONE)
         rid, host, port = pre.get("kv_request_id"), pre.get("remote_host"), pre.get("remote_port")
         try:
             port = int(port)
@@ -146,8 +173,8 @@ def parse_role(params: Any) -> PDRole:
         if isinstance(rid, str) and rid and isinstance(host, str) and host and 0 < port < 65536:
             return PDRole(kind, rid, f"{host}:{port}")
         log.error("invalid %s %r (need kv_request_id, remote_host, remote_port); recomputing", field_name, pre)
-        return PDRole("none")
-    return PDRole("none")
+        return PDRole(RoleKind.NONE)
+    return PDRole(RoleKind.NONE)
 
 
 class P2PWorkerTier(SecondaryTierManager):
@@ -186,7 +213,7 @@ class P2PWorkerTier(SecondaryTierManager):
             self._worker_args += ["--settings-json", json.dumps(s.worker_settings)]
         self._worker_config = s.worker_config
         self._rings = rings  # set: attach to an operator-launched worker (p2pworker launch --rings <rings>)
-        self._jobs: dict[int, tuple[str, list[bytes], str, float]] = {}  # job -> (kind, keys, kv_request_id, t0)
+        self._jobs: dict[int, _OpenJob] = {}  # submitted to the worker, not yet reported to vLLM
         self._results: list[JobResult] = []
         self._failed_req_ids: set[str] = set()
         # symmetric, per kv_request_id (so a finished request is forgotten in time linear in its own keys):
@@ -260,8 +287,8 @@ class P2PWorkerTier(SecondaryTierManager):
         self._killing_since = None
         self._stats["worker_deaths"] += 1
         now = time.monotonic()
-        for job_id, (*_, t0) in list(self._jobs.items()):
-            self._finish(job_id, False, None, now - t0, None)
+        for job_id, job in list(self._jobs.items()):
+            self._finish(job_id, False, None, now - job.t0, None)
         for rid, keys in self._lookups.values():
             self._answer(rid, keys, None)
         self._lookups.clear()
@@ -365,8 +392,9 @@ class P2PWorkerTier(SecondaryTierManager):
             asked.discard(k)
 
     def _finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
-        kind, job_keys, rid, _t0 = self._jobs.pop(job_id)
-        if kind == "load":
+        job = self._jobs.pop(job_id)
+        job_keys, rid = job.keys, job.kv_request_id
+        if job.kind is _JobKind.LOAD:
             if success:
                 landed = job_keys  # success: every key moved (the worker does not echo them)
             else:
@@ -429,7 +457,7 @@ class P2PWorkerTier(SecondaryTierManager):
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         role = parse_role(req_context.kv_transfer_params)
         req_context.set_state(role)
-        if role.kind == "producer":
+        if role.kind is RoleKind.PRODUCER:
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
 
@@ -442,9 +470,9 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def lookup(self, key, req_context) -> LookupResult:
         role = self._role(req_context)
-        if role.kind not in ("consumer", "symmetric") or role.kv_request_id in self._failed_req_ids or not self._ready:
+        if not role.kind.loads or role.kv_request_id in self._failed_req_ids or not self._ready:
             return LookupResult.MISS
-        if role.kind == "consumer":
+        if role.kind is RoleKind.CONSUMER:
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
         rid, k = role.kv_request_id, bytes(key)
         answers = self._answers.get(rid)
@@ -462,11 +490,11 @@ class P2PWorkerTier(SecondaryTierManager):
     def submit_store(self, job: TransferJob) -> None:
         role = self._role(job.req_context)
         now = time.monotonic()
-        if role.kind != "producer":
+        if role.kind is not RoleKind.PRODUCER:
             self._results.append(JobResult(job.job_id, True))  # nothing to keep for peers
             return
         keys = list(job.keys)  # OffloadKey is bytes
-        self._jobs[job.job_id] = ("store", keys, role.kv_request_id, now)
+        self._jobs[job.job_id] = _OpenJob(_JobKind.STORE, keys, role.kv_request_id, now)
         if len(keys) > api.MAX_JOB_KEYS:
             self._finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
         elif not self._send(api.StoreJob(job.job_id, role.kv_request_id, keys, _rows(job.chunk_ids))):
@@ -475,10 +503,10 @@ class P2PWorkerTier(SecondaryTierManager):
     def submit_load(self, job: TransferJob) -> None:
         role = self._role(job.req_context)
         keys = list(job.keys)  # OffloadKey is bytes
-        self._jobs[job.job_id] = ("load", keys, role.kv_request_id, time.monotonic())
+        self._jobs[job.job_id] = _OpenJob(_JobKind.LOAD, keys, role.kv_request_id, time.monotonic())
         if len(keys) > api.MAX_JOB_KEYS:
             self._finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
-        elif role.kind not in ("consumer", "symmetric") or not self._send(
+        elif not role.kind.loads or not self._send(
             api.LoadJob(job.job_id, role.address, role.kv_request_id, keys, _rows(job.chunk_ids))
         ):
             self._finish(job.job_id, False, None, 0.0, None, "not a PD consumer, or worker not ready")
@@ -500,13 +528,13 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def on_request_finished(self, req_context) -> None:
         role = self._role(req_context)
-        if role.kind == "producer":
+        if role.kind is RoleKind.PRODUCER:
             self._recent_finished[role.kv_request_id] = time.monotonic()
             self._recent_finished.move_to_end(role.kv_request_id)
             if len(self._recent_finished) > RECENT_FINISHED_MAX:
                 self._recent_finished.popitem(last=False)
             self._send(api.RequestFinished(role.kv_request_id))  # not ready: replayed when the worker is
-        elif role.kind == "symmetric":
+        elif role.kind is RoleKind.SYMMETRIC:
             self._answers.pop(role.kv_request_id, None)
             self._asked.pop(role.kv_request_id, None)
         self._failed_req_ids.discard(role.kv_request_id)
@@ -524,7 +552,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 if hits:
                     job = parent.create_store_job(hits, ctx)  # pins the rows; reported by our get_finished_jobs
                     keys = list(job.keys)  # OffloadKey is bytes
-                    self._jobs[job.job_id] = ("store", keys, ev.request_id, time.monotonic())
+                    self._jobs[job.job_id] = _OpenJob(_JobKind.STORE, keys, ev.request_id, time.monotonic())
                     if self._send(api.StoreJob(job.job_id, ev.request_id, keys, _rows(job.chunk_ids))):
                         self._send(api.RequestFinished(ev.request_id))  # nothing more for this lookup
                     else:
@@ -547,8 +575,8 @@ class P2PWorkerTier(SecondaryTierManager):
             time.sleep(0.001)
         if self._jobs:
             log.error("drain: %d job(s) still open after 60 s; failing them", len(self._jobs))
-            for job_id, (_k, _keys, _rid, t0) in list(self._jobs.items()):
-                self._finish(job_id, False, None, time.monotonic() - t0, None, "drain timed out")
+            for job_id, open_job in list(self._jobs.items()):
+                self._finish(job_id, False, None, time.monotonic() - open_job.t0, None, "drain timed out")
 
     def shutdown(self) -> None:
         client, self._client, self._ready = self._client, None, False

@@ -151,6 +151,19 @@ def _open_bell(path: str, create: bool) -> int:
     return fd
 
 
+
+class PeerStatus(enum.Enum):
+    """The other side of a ring, as its header words say."""
+
+    PENDING = "pending"  # not attached yet
+    ALIVE = "alive"
+    CLOSED = "closed"  # it closed the ring (an orderly exit)
+    DEAD = "dead"  # attached, then its process exited or was killed (pid + start time no longer match)
+
+    @property
+    def gone(self) -> bool:
+        return self in (PeerStatus.CLOSED, PeerStatus.DEAD)
+
 class Ring:
     """One endpoint (producer or consumer) of a shared-memory SPSC ring.
 
@@ -285,26 +298,25 @@ class Ring:
     def peer_pid(self) -> int:
         return int(self._w[self._peer[0]])
 
-    def peer_status(self) -> str:
-        """``pending`` (not attached yet), ``alive``, ``closed`` or ``dead``."""
+    def peer_status(self) -> PeerStatus:
         w = self._w
         pid_i, start_i, state_i = self._peer
         state = w[state_i]
         if state == STATE_UNATTACHED:
-            return "pending"
+            return PeerStatus.PENDING
         if state == STATE_CLOSED:
-            return "closed"
-        return "alive" if process_alive(int(w[pid_i]), int(w[start_i])) else "dead"
+            return PeerStatus.CLOSED
+        return PeerStatus.ALIVE if process_alive(int(w[pid_i]), int(w[start_i])) else PeerStatus.DEAD
 
     def peer_alive(self) -> bool:
         """True unless the peer attached and then closed, exited or crashed."""
-        return self.peer_status() in ("pending", "alive")
+        return not self.peer_status().gone
 
     def check_peer(self) -> None:
         status = self.peer_status()
-        if status == "closed":
+        if status is PeerStatus.CLOSED:
             raise PeerDead(self.name, self._peer_role, self.peer_pid, "it closed the ring")
-        if status == "dead":
+        if status is PeerStatus.DEAD:
             raise PeerDead(self.name, self._peer_role, self.peer_pid, "the process exited or was killed")
 
     @property

@@ -13,6 +13,7 @@ import pytest
 
 from p2pworker.errors import PeerDead
 from p2pworker.shm import KVRegion, RegionHandle, Ring, Role
+from p2pworker.shm.ring import PeerStatus
 from p2pworker.shm.sweep import leftovers, sweep
 
 
@@ -166,7 +167,7 @@ def test_peer_death_is_detected_while_waiting(children, shm_prefix, my_role):
     with Ring.create(f"{shm_prefix}pd", me, nslots=4, slot_bytes=128, msg_type=Seq) as ring:
         proc = children.start(_attach_and_hang, ring.name, peer.value, ready)
         assert ready.wait(30)
-        assert ring.peer_status() == "alive" and ring.peer_pid == proc.pid
+        assert ring.peer_status() is PeerStatus.ALIVE and ring.peer_pid == proc.pid
         if me is Role.PRODUCER:
             for i in range(4):
                 ring.put(Seq(i))

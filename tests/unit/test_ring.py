@@ -11,7 +11,7 @@ import posix_ipc
 import pytest
 
 from p2pworker.errors import MessageTooLarge, PeerDead, RingError
-from p2pworker.shm.ring import HEADER_BYTES, LEN_BYTES, Ring, Role, ring_files
+from p2pworker.shm.ring import HEADER_BYTES, LEN_BYTES, PeerStatus, Ring, Role, ring_files
 
 
 class Cmd(msgspec.Struct, tag="cmd"):
@@ -155,7 +155,7 @@ def test_peer_close_drains_then_reports_peer_dead(pair):
     prod.put(Cmd(1))
     prod.close()
     assert cons.get(timeout_s=1).seq == 1  # what was published is still delivered
-    assert cons.peer_status() == "closed"
+    assert cons.peer_status() is PeerStatus.CLOSED
     with pytest.raises(PeerDead, match="closed"):
         cons.get(timeout_s=5)
 

@@ -11,7 +11,7 @@ import pytest
 import vllm
 
 from tests.vllm.harness import ROW, Engine, LookupResult, ReqContext, key, payload, run_until
-from vllm_adapter.tier import M_DEATHS, M_IN_FLIGHT, M_LOADS, TIER_METRICS, P2PWorkerTier, PDRole, parse_role
+from vllm_adapter.tier import M_DEATHS, M_IN_FLIGHT, M_LOADS, TIER_METRICS, P2PWorkerTier, PDRole, RoleKind, parse_role
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -96,7 +96,7 @@ def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
     ({"remote_kv_source": {"kv_request_id": "a"}}, "none"),
 ])
 def test_invalid_kv_transfer_params_are_misses_not_exceptions(params, kind):
-    assert parse_role(params).kind == kind
+    assert parse_role(params).kind is RoleKind(kind)
 
 
 def test_bad_params_under_the_manager_give_miss(pd):
@@ -105,7 +105,7 @@ def test_bad_params_under_the_manager_give_miss(pd):
     with decode.lock:
         decode.mgr.on_new_request(ctx)
     assert decode.lookup(ctx, [0]) == [LookupResult.MISS]
-    assert ctx.get_state(PDRole).kind == "none"
+    assert ctx.get_state(PDRole).kind is RoleKind.NONE
 
 
 def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
