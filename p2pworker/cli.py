@@ -83,7 +83,12 @@ def launch(config_path, settings_json, rings, name, host, port, dp_index, backen
                 raise ConfigError(f"--settings-json: not valid JSON: {e}") from None
         cfg = load_config(config_path, over, inline=inline, inline_source="--settings-json")
         worker = Worker(cfg)
-        install_hook(worker)
+        try:
+            install_hook(worker)
+        except BaseException:
+            worker.stop_reason = "the $P2PWORKER_HOOK hook failed"
+            worker.shutdown()  # rings, admin socket: nothing left behind
+            raise
     except Exception as e:
         raise click.ClickException(f"worker did not start: {e}") from e
     worker.install_signal_handlers()

@@ -156,6 +156,13 @@ class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
 
 TIER_SOURCE = "kv_connector_extra_config.secondary_tiers[P2PWorkerTier]"
 
+# Settings the tier decides for the worker it spawns (command-line flags): refused in worker_settings, where they
+# would be silently overridden.  ("worker.<key>": the [worker] table.)
+TIER_OWNED = {
+    "worker.name": "vllm-<engine id>", "worker.rings": "the rings it creates", "worker.admin_path": "per worker",
+    "control.dp_index": "vLLM's data-parallel index",
+}
+
 
 def tier_settings(config: dict[str, Any], env: Mapping[str, str] = os.environ) -> tuple[TierSettings, WorkerConfig]:
     """The tier's keys typed and range-checked, and the settings its worker will run with: worker_config, then
@@ -169,15 +176,35 @@ def tier_settings(config: dict[str, Any], env: Mapping[str, str] = os.environ) -
         s = msgspec.convert(config, TierSettings, strict=True)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{TIER_SOURCE}: {e}") from None
+    inline_source = f"{TIER_SOURCE}.worker_settings"
+    if s.worker_settings is not None:
+        control = s.worker_settings.get("control")
+        if isinstance(control, dict) and "secret" in control:
+            # the settings reach the worker on its command line, which every local user can read (ps, /proc)
+            raise ConfigError(f"{inline_source}: $.control.secret: not here: a secret in the JSON would be on the "
+                              "worker's command line; set $P2PWORKER_SECRET (or [control] secret in worker_config)")
+        for path, owner in TIER_OWNED.items():
+            section, key = path.split(".")
+            tables = [(f"$.{section}.{key}", s.worker_settings.get(section))]
+            if section == "worker":  # the [worker] keys may also stand at the top, as in a TOML file
+                tables.append((f"$.{key}", s.worker_settings))
+            for where, table in tables:
+                if isinstance(table, dict) and key in table:
+                    raise ConfigError(f"{inline_source}: {where}: set by the tier ({owner}), not by its settings")
     try:
-        cfg = load_config(s.worker_config, inline=s.worker_settings, inline_source=f"{TIER_SOURCE}.worker_settings")
+        cfg = load_config(s.worker_config, inline=s.worker_settings, inline_source=inline_source)
     except OSError as e:
         raise ConfigError(f"{TIER_SOURCE}.worker_config: {e}") from None
     cfg.control.host = s.host or env.get(HOST_ENV) or cfg.control.host
     if s.port is not None:
         cfg.control.port = s.port
-    elif PORT_ENV in env or cfg.control.port is None:
-        cfg.control.port = int(env.get(PORT_ENV, DEFAULT_PORT))
+    elif PORT_ENV in env:
+        try:
+            cfg.control.port = msgspec.convert(int(env[PORT_ENV]), Annotated[int, Meta(ge=0, le=65535)])
+        except (ValueError, msgspec.ValidationError):
+            raise ConfigError(f"${PORT_ENV}={env[PORT_ENV]!r}: not a port (0-65535)") from None
+    elif cfg.control.port is None:
+        cfg.control.port = DEFAULT_PORT
     if s.backend is not None:
         cfg.data.backend = s.backend
     return s, cfg

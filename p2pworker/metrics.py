@@ -33,6 +33,18 @@ class Metrics:
         w = self._worker
         return (w.cfg.name, w.cfg.role, str(w.cfg.control.dp_index), str(w.identity.get("model") or ""))
 
+    def prime(self) -> None:
+        """Create every job series at 0 (Prometheus shows a labelled series only once it is touched): a dashboard's
+        `outcome="failed"` query then reads 0 on a worker that never failed, not "no data"."""
+        ident = self.identity()
+        for kind in ("load", "store"):
+            for outcome in ("ok", "failed"):
+                self.jobs.labels(*ident, kind, outcome)
+            self.latency.labels(*ident, kind)
+        for direction in ("in", "out"):
+            self.bytes.labels(*ident, direction)
+            self.blocks.labels(*ident, direction)
+
     def job(self, ev) -> None:
         ident = self.identity()
         direction = "in" if ev.kind == "load" else "out"

@@ -139,8 +139,6 @@ class Worker:
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
         self._poll_epoch: int | None = None  # the control sockets_epoch the poller was built for
-        # Test-only negative control (tests/e2e): scramble every row a load writes, so a test can show
-        # that wrong KV changes vLLM's output.  Never set in production; loudly logged when set.
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.identity: dict = {}  # the adapter's KV identity (model, dtype, ...) from AttachRegion; metric labels
         self.metrics = None
@@ -406,6 +404,8 @@ class Worker:
                 block_bytes=region.block_bytes, protocol_version=PROTOCOL_VERSION, identity=cmd.identity
             )
             self.identity = dict(cmd.identity)
+            if self.metrics is not None:
+                self.metrics.prime()  # every job series at 0 from now on, labelled with the model just learned
             ctl = ZmqControl(cfg.control)
             data = make_data_transport(
                 region, backend=cfg.data.backend, agent_name=f"{cfg.name}-{ctl.node_id}", host=cfg.control.host,
@@ -851,7 +851,6 @@ def install_hook(worker: Worker, env=os.environ) -> str | None:
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"${HOOK_ENV}={spec!r}: expected module:function")
-    fn = getattr(importlib.import_module(module), name)
-    fn(worker)
-    log.warning("$%s=%s installed: this worker runs test code", HOOK_ENV, spec)
+    log.warning("$%s=%s: installing; this worker runs test code", HOOK_ENV, spec)
+    getattr(importlib.import_module(module), name)(worker)
     return spec

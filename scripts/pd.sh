@@ -79,7 +79,8 @@ start_engine() {  # role http_port p2p_port extra_env worker_metrics_port
 show_log() {  # role why: the root cause first (vLLM's "root cause above" is far above the last lines), then the tail
   local role=$1 why=$2 log="$RUN_DIR/$1.log"
   echo "pd.sh: $role $why; error lines of $log:" >&2
-  grep -n -E "Error|Exception|Traceback|Killed|[Ss]ignal|p2pworker|P2PWorkerTier" "$log" | grep -v -E "^\S+:\s+File " \
+  # vLLM prefixes engine-core lines with "(EngineCore_DP0 pid=N)"; traceback frames ("File ...") are left out
+  grep -n -i -E "error|exception|traceback|killed|signal|P2PError|cannot|failed" "$log" | grep -v -E 'File "' \
     | head -n 40 >&2 || true
   echo "pd.sh: last lines of $log:" >&2
   tail -n 25 "$log" >&2

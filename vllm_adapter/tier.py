@@ -97,7 +97,7 @@ TIER_METRICS: dict[str, tuple[_Kind, tuple[str, ...], str]] = {
     M_LOADS: (_Kind.COUNTER, ("outcome",), "Load jobs (peer -> this engine's CPU tier) finished, by outcome"),
     M_STORES: (_Kind.COUNTER, ("outcome",), "Store jobs (rows offered to peers) finished, by outcome"),
     M_DEATHS: (_Kind.COUNTER, (), "p2pworker processes of this engine that died or were killed as wedged"),
-    M_RESTARTS: (_Kind.COUNTER, (), "p2pworker processes this engine restarted after a death"),
+    M_RESTARTS: (_Kind.COUNTER, (), "Attempts to start a new p2pworker after one died (each counts, failed or not)"),
     M_IN_FLIGHT: (_Kind.GAUGE, (), "Jobs submitted to the worker and not yet reported"),
 }
 

@@ -309,3 +309,25 @@ def test_a_job_larger_than_the_whole_command_ring_goes_through(shm_prefix, tmp_p
         assert (rc.array()[dst] == expect).all(), "bytes differ"
         print(f"500,000-key PD job (LoadJob of {len(msgspec.msgpack.encode(load)) / 2**20:.1f} MiB) through two "
               f"workers: {time.monotonic() - t0:.2f} s")
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("tests.hooks.no_such_module:install", "No module named 'tests.hooks.no_such_module'"),
+    ("tests.hooks.corrupt_loads", "expected module:function"),
+    ("tests.hooks.corrupt_loads:no_such_function", "no_such_function"),
+])
+def test_a_failing_hook_stops_the_worker_at_start_and_leaves_nothing(shm_prefix, tmp_path, spec, says):
+    """$P2PWORKER_HOOK, the worker's one extension point (tests only): a hook that cannot be installed fails the
+    start with the cause, and the worker it was given is shut down (rings closed, admin socket removed)."""
+    admin = tmp_path / "h.admin"
+    log_path = tmp_path / "hook.log"
+    with open(log_path, "w") as log_file:
+        c = WorkerClient("hook", args=["--port", "0", "--admin", str(admin)], stderr=log_file,
+                         env={**ENV, "P2PWORKER_HOOK": spec, "PYTHONPATH": str(Path(__file__).parents[2])})
+        try:
+            assert c.proc.wait(timeout=60) != 0
+        finally:
+            c.close()
+    text = log_path.read_text()
+    assert "worker did not start" in text and says in text, text[-2000:]
+    assert not admin.exists(), "the admin socket of a worker whose hook failed was left behind"

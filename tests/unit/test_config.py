@@ -87,3 +87,25 @@ def test_tier_settings_inline_over_file_and_address_precedence(tmp_path):
     doc = {"kv_connector_extra_config": {"secondary_tiers": [{"type": "Other"}, {"type": "P2PWorkerTier", "port": 1,
                                                                                  "module_path": "m"}]}}
     assert tier_entries(doc) == [{"port": 1}]
+
+
+@pytest.mark.parametrize("inline,what", [
+    ({"control": {"secret": "s3cret"}}, "$.control.secret: not here"),  # would be on the worker's command line
+    ({"worker": {"name": "x"}}, "$.worker.name: set by the tier"),
+    ({"rings": "x"}, "$.rings: set by the tier"),
+    ({"control": {"dp_index": 1}}, "$.control.dp_index: set by the tier"),
+])
+def test_tier_settings_refuse_what_the_tier_owns_or_must_not_pass(inline, what):
+    from p2pworker.config import tier_settings
+
+    with pytest.raises(ConfigError, match=re.escape(what)) as ei:
+        tier_settings({"worker_settings": inline}, env={})
+    assert "s3cret" not in str(ei.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "70000", "-1"])
+def test_a_bad_port_in_the_environment_names_the_variable(value):
+    from p2pworker.config import tier_settings
+
+    with pytest.raises(ConfigError, match=re.escape(f"$VLLM_P2P_SIDE_CHANNEL_PORT={value!r}: not a port")):
+        tier_settings({}, env={"VLLM_P2P_SIDE_CHANNEL_PORT": value})

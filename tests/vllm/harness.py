@@ -72,6 +72,9 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         self.stats = OffloadingConnectorStats()  # every get_stats payload summed, as vLLM's frontend does
+        # what vLLM's Prometheus side declares for this spec (OffloadPromMetrics): observe() asserts that every
+        # key of a payload is declared, and binds the declared label names to the payload's label values
+        self.metric_defs = type(self.spec).build_metric_definitions(extra)
 
     def metric(self, name: str) -> dict:
         """What vLLM's /metrics would show for ``name`` so far: {label values: value}."""
@@ -82,6 +85,13 @@ class Engine:
     def _collect(self, stats) -> None:
         assert stats is None or hasattr(stats, "is_empty"), stats
         if stats is not None and not stats.is_empty():
+            types, values = stats.data["types"], stats.data["data"]
+            for name, by_labels in values.items():
+                assert name in self.metric_defs, f"{name} is reported but not declared: vLLM would assert"
+                kind = type(self.metric_defs[name]).__name__.removeprefix("Offloading").removesuffix("Metadata")
+                assert types[name] == kind.lower(), (name, types[name], kind)
+                for labels in by_labels:
+                    assert len(labels) == len(self.metric_defs[name].labelnames), (name, labels)
             self.stats.aggregate(stats)
 
     def step(self, new=()) -> None:
