@@ -30,7 +30,11 @@ Link states (outbound)::
     any --REJECT / bad server proof--> FAILED (permanent until disconnect)
 
 Inbound links exist per routing id: CHALLENGED --AUTH ok--> UP, and vanish on
-silence, BYE or a failed proof.  Any inbound traffic counts as alive; each
+silence, BYE or a failed proof.  What each received frame does, by side and
+link state, is the tables :data:`DEALER_MOVES` and :data:`ROUTER_MOVES` (the
+tests read them): a frame not in the table is counted and dropped (outbound,
+or an inbound link that is UP) or answered with RESET (an inbound identity
+that has not authenticated).  Any inbound traffic counts as alive; each
 side pings when it has sent nothing for one interval.  ``LinkDown`` is
 reported once per up-period (once in all for a link that never came up).
 """
@@ -124,6 +128,56 @@ class LinkState(enum.Enum):
     UP = "up"
     DOWN = "down"
     FAILED = "failed"
+
+
+class Act(enum.Enum):
+    """What a received control frame does (the value of DEALER_MOVES / ROUTER_MOVES)."""
+
+    DELIVER = "deliver"  # DATA on an UP link: hand the payload up (Received)
+    KEEPALIVE = "keepalive"  # PING: nothing beyond counting as traffic
+    CHALLENGE = "challenge"  # check the acceptor's proof, answer AUTH: CONNECTING -> AUTHING
+    WELCOME = "welcome"  # AUTHING -> UP
+    REJECTED = "rejected"  # the peer refused us for good: FAILED, no retry
+    RESET = "reset"  # the peer does not know this link (it restarted?): DOWN, reconnect
+    BYE = "bye"  # the peer closed the link: DOWN (an outbound link reconnects)
+    HELLO = "hello"  # a new inbound handshake for this routing id: CHALLENGED (any old link is dropped)
+    AUTH = "auth"  # check the initiator's proof: CHALLENGED -> UP, or REJECT
+    MALFORMED = "malformed"  # not allowed here: counted, dropped
+    UNAUTHENTICATED = "unauthenticated"  # from an identity that is not UP: counted, answered with RESET
+
+
+ANY = None  # DEALER_MOVES: a frame allowed in every state of the outbound link
+
+# Outbound links (our DEALER): (link state, or ANY, frame kind) -> Act; the exact state first, then ANY; not
+# listed: MALFORMED.  Nothing but the handshake before UP: DATA is delivered only on an UP link.
+DEALER_MOVES: dict[tuple[LinkState | None, bytes], Act] = {
+    (LinkState.UP, K_DATA): Act.DELIVER,
+    (LinkState.CONNECTING, K_CHALLENGE): Act.CHALLENGE,
+    (LinkState.AUTHING, K_WELCOME): Act.WELCOME,
+    (ANY, K_PING): Act.KEEPALIVE,
+    (ANY, K_REJECT): Act.REJECTED,
+    (ANY, K_RESET): Act.RESET,
+    (ANY, K_BYE): Act.BYE,
+}
+
+# Inbound links (our ROUTER): (state of the link this routing id has, None for none yet, frame kind) -> Act; not
+# listed: MALFORMED on an UP link, else UNAUTHENTICATED.  An inbound link is only ever CHALLENGED or UP.
+ROUTER_MOVES: dict[tuple[LinkState | None, bytes], Act] = {
+    (LinkState.UP, K_DATA): Act.DELIVER,
+    (LinkState.UP, K_PING): Act.KEEPALIVE,
+    (LinkState.UP, K_BYE): Act.BYE,
+    (None, K_HELLO): Act.HELLO,
+    (LinkState.CHALLENGED, K_HELLO): Act.HELLO,
+    (LinkState.CHALLENGED, K_AUTH): Act.AUTH,
+}
+
+
+def dealer_move(state: LinkState, kind: bytes) -> Act:
+    return DEALER_MOVES.get((state, kind)) or DEALER_MOVES.get((ANY, kind)) or Act.MALFORMED
+
+
+def router_move(state: LinkState | None, kind: bytes) -> Act:
+    return ROUTER_MOVES.get((state, kind)) or (Act.MALFORMED if state is LinkState.UP else Act.UNAUTHENTICATED)
 
 
 @dataclass(eq=False)
@@ -435,23 +489,24 @@ class ZmqControl(ControlTransport):
             kind, body = frames
             if link.state is LinkState.UP:
                 link.last_recv = self._clock()
-            if kind == K_DATA and link.state is LinkState.UP:
-                self._events.append(Received(link.link_id, body))
-            elif kind == K_PING:
-                pass
-            elif kind == K_CHALLENGE and link.state is LinkState.CONNECTING:
-                self._on_challenge(link, body)
-            elif kind == K_WELCOME and link.state is LinkState.AUTHING:
-                self._up(link)
-            elif kind == K_REJECT:
-                self.counters["rejected_handshakes"] += 1
-                self._down(link, f"rejected by {link.address}: {body.decode(errors='replace')}", retry=False)
-            elif kind == K_RESET:
-                self._down(link, f"{link.address} no longer knows this link (it restarted?)", retry=True)
-            elif kind == K_BYE:
-                self._down(link, "peer closed the link", retry=True)
-            else:
-                self.counters["malformed_frames"] += 1
+            match dealer_move(link.state, kind):
+                case Act.DELIVER:
+                    self._events.append(Received(link.link_id, body))
+                case Act.KEEPALIVE:
+                    pass
+                case Act.CHALLENGE:
+                    self._on_challenge(link, body)
+                case Act.WELCOME:
+                    self._up(link)
+                case Act.REJECTED:
+                    self.counters["rejected_handshakes"] += 1
+                    self._down(link, f"rejected by {link.address}: {body.decode(errors='replace')}", retry=False)
+                case Act.RESET:
+                    self._down(link, f"{link.address} no longer knows this link (it restarted?)", retry=True)
+                case Act.BYE:
+                    self._down(link, "peer closed the link", retry=True)
+                case _:
+                    self.counters["malformed_frames"] += 1
 
     def _on_challenge(self, link: Link, body: bytes) -> None:
         try:
@@ -483,23 +538,25 @@ class ZmqControl(ControlTransport):
                 continue
             ident, kind, body = frames
             link = self._inbound.get(ident)
-            if link is not None and link.state is LinkState.UP:
+            state = link.state if link is not None else None
+            if state is LinkState.UP:
                 link.last_recv = self._clock()
-                if kind == K_DATA:
+            match router_move(state, kind):
+                case Act.DELIVER:
                     self._events.append(Received(link.link_id, body))
-                elif kind == K_PING:
+                case Act.KEEPALIVE:
                     pass
-                elif kind == K_BYE:
+                case Act.BYE:
                     self._down(link, "peer closed the link", retry=False)
-                else:
+                case Act.HELLO:
+                    self._on_hello(ident, body, link)
+                case Act.AUTH:
+                    self._on_auth(link, body)
+                case Act.MALFORMED:
                     self.counters["malformed_frames"] += 1
-            elif kind == K_HELLO:
-                self._on_hello(ident, body, link)
-            elif kind == K_AUTH and link is not None and link.state is LinkState.CHALLENGED:
-                self._on_auth(link, body)
-            else:
-                self.counters["unauthenticated_frames"] += 1
-                self._router_reply(ident, K_RESET, b"")
+                case _:
+                    self.counters["unauthenticated_frames"] += 1
+                    self._router_reply(ident, K_RESET, b"")
 
     def _on_hello(self, ident: bytes, body: bytes, old: Link | None) -> None:
         try:

@@ -12,7 +12,24 @@ import pytest
 import zmq
 
 from p2pworker.control import ControlConfig, LinkDown, LinkUp, Received, ZmqControl, default_port
-from p2pworker.control.zmq_control import K_AUTH, K_DATA, K_HELLO, K_REJECT, K_RESET, _Hello
+from p2pworker.control.zmq_control import (
+    DEALER_MOVES,
+    K_AUTH,
+    K_BYE,
+    K_CHALLENGE,
+    K_DATA,
+    K_HELLO,
+    K_PING,
+    K_REJECT,
+    K_RESET,
+    K_WELCOME,
+    ROUTER_MOVES,
+    Act,
+    LinkState,
+    _Hello,
+    dealer_move,
+    router_move,
+)
 from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
 from tests.integration.peers import control_acceptor
 from tests.ports import free_port
@@ -296,3 +313,38 @@ def test_killed_peer_is_declared_dead_once_and_a_restart_reconnects(children):
         children.join_ok(proc2)
     finally:
         a.close()
+
+
+def test_the_link_tables_deliver_nothing_before_up():
+    """DEALER_MOVES / ROUTER_MOVES, read as tables: in no state but UP does any frame deliver data, and before
+    an inbound identity is UP only HELLO and AUTH (when CHALLENGED) do anything but a RESET."""
+    kinds = [K_HELLO, K_CHALLENGE, K_AUTH, K_WELCOME, K_REJECT, K_RESET, K_PING, K_DATA, K_BYE, b"?"]
+    for state in LinkState:
+        for kind in kinds:
+            if state is not LinkState.UP:
+                assert dealer_move(state, kind) is not Act.DELIVER
+    for state in (None, LinkState.CHALLENGED):
+        for kind in kinds:
+            act = router_move(state, kind)
+            allowed = {K_HELLO: Act.HELLO, K_AUTH: Act.AUTH if state is LinkState.CHALLENGED else None}
+            assert act is (allowed.get(kind) or Act.UNAUTHENTICATED), (state, kind, act)
+    assert {a for a in DEALER_MOVES.values()} | {a for a in ROUTER_MOVES.values()} <= set(Act)
+
+
+def test_every_router_row_before_up_answers_as_the_table_says(pair):
+    """Each frame kind from an unauthenticated routing id, through a real ROUTER: the reply the table promises
+    (HELLO: a CHALLENGE; anything else: RESET), and nothing delivered."""
+    _, b = pair
+    expect = {Act.HELLO: K_CHALLENGE, Act.UNAUTHENTICATED: K_RESET}
+    for kind in (K_HELLO, K_CHALLENGE, K_AUTH, K_WELCOME, K_PING, K_DATA, K_BYE, b"?"):
+        act = router_move(None, kind)
+        body = msgspec.msgpack.encode(_Hello(1, "probe", b"n" * 16)) if kind == K_HELLO else b"x"
+        ctx, s = _raw_dealer(b.address)
+        try:
+            s.send_multipart([kind, body])
+            (reply, _), ev = _serve_until(b, s)
+            assert reply == expect[act], (kind, act, reply)
+            assert not [e for e in ev if isinstance(e, (Received, LinkUp))]
+        finally:
+            s.close()
+            ctx.term()
