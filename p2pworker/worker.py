@@ -36,9 +36,8 @@ import zmq
 from p2pworker import api
 from p2pworker.admin import AdminServer
 from p2pworker.config import WorkerConfig
-from p2pworker.control import LinkDown, LinkUp, Received, ZmqControl
-from p2pworker.control.zmq_control import LinkState
-from p2pworker.data import make_data_transport
+from p2pworker.control import ControlTransport, LinkDown, LinkState, LinkUp, Received, ZmqControl
+from p2pworker.data import DataTransport, make_data_transport
 from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, TransferFailed
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol.messages import PROTOCOL_VERSION, encode
@@ -60,6 +59,7 @@ from p2pworker.session import (
     SessionUp,
     State,
 )
+from p2pworker.session.reporter import Event as ReportedEvent
 from p2pworker.shm import KVRegion, Ring, Role
 
 log = logging.getLogger("p2pworker.worker")
@@ -108,8 +108,8 @@ class Worker:
         self.started = clock()
         self.reporter = Reporter()
         self.region: KVRegion | None = None
-        self.data: Any = None
-        self.ctl: ZmqControl | None = None
+        self.data: DataTransport | None = None
+        self.ctl: ControlTransport | None = None
         self.ctx: SessionContext | None = None
         self.fingerprint: Fingerprint | None = None
         self.sessions: dict[str, Session] = {}  # control link id -> session
@@ -120,6 +120,7 @@ class Worker:
         self._retry: dict[str, tuple[float, float, str]] = {}  # address -> (not before, next backoff, why)
         self._failed_log = [0.0, 0]  # [second started, failed jobs in it]
         self._link_addr: dict[str, str] = {}  # outbound link id -> the address key it was opened for
+        self._opened: set[str] = set()  # link ids this worker opened (outbound), until their session is retired
         self._was_up: set[str] = set()  # outbound links that were up once (a reconnect is not a first contact)
         # Name resolution runs off the event loop (a slow resolver must not stall heartbeats): address -> the
         # lookup in flight and the commands waiting for it.
@@ -202,11 +203,11 @@ class Worker:
                 self.ctx.lot.tick()
             if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
                 self._drained_sent = True  # draining stays in force: new work is still refused
-                self.reporter.emit(api.Drained())
+                self._emit(api.Drained())
         if now >= self._next_heartbeat and not self.pending:  # events waiting prove liveness already
             self._next_heartbeat = now + api.HEARTBEAT_S
             self._heartbeats += 1
-            self.reporter.emit(api.Heartbeat(self._heartbeats))
+            self._emit(api.Heartbeat(self._heartbeats))
         if now >= self._next_trim:
             self._next_trim = now + TRIM_S
             _trim()
@@ -371,6 +372,7 @@ class Worker:
                 elif link is not None:
                     self.out_links.pop(_addr_key(cmd.address), None)
                     self._link_addr.pop(link, None)
+                    self._opened.discard(link)  # no session on it: nothing will retire it
                     self._was_up.discard(link)
                     self.ctl.disconnect(link)
             case api.AttachRegion():
@@ -425,7 +427,7 @@ class Worker:
         )
         log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
                  region.num_blocks, region.block_bytes, ctl.address, data.backend, self.fingerprint.digest)
-        self.reporter.emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest,
+        self._emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest,
                                      self.admin.endpoint))
 
     # ------------------------------------------------------------ sessions
@@ -445,6 +447,8 @@ class Worker:
                 why = lk.reason if lk is not None else "link gone"
                 self.out_links.pop(key, None)
                 self._link_addr.pop(link, None)
+                if link not in self.sessions:  # else _retire forgets it with its session
+                    self._opened.discard(link)
                 self._was_up.discard(link)
                 self.ctl.disconnect(link)
                 s = self.sessions.get(link)
@@ -472,6 +476,7 @@ class Worker:
                 return None, f"peer {address} unreachable: {e}"
             self.out_links[key] = link
             self._link_addr[link] = key
+            self._opened.add(link)
         s = self.sessions.get(link)
         if s is None:
             s = self.sessions[link] = self._new_session(link, None)
@@ -585,7 +590,8 @@ class Worker:
         if self.sessions.get(link) is s:
             del self.sessions[link]
             forgotten = True
-            out = link.startswith("out-")
+            out = link in self._opened
+            self._opened.discard(link)
             key = self._link_addr.get(link)  # the address as the adapter gave it (a name stays a name)
             if out and key is not None:
                 if self.out_links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
@@ -649,15 +655,25 @@ class Worker:
     def _error(self, message: str, *, fatal: bool = False, attach: bool = False) -> None:
         log.error("%s%s", message, " (configuration error: this worker cannot serve)" if fatal else "")
         self.counters["errors"] += 1
-        self.reporter.emit(api.WorkerError(message, fatal, attach))
+        self._emit(api.WorkerError(message, fatal, attach))
 
-    def _flush_events(self) -> None:
+    def _emit(self, ev: api.Event) -> None:
+        """Queue one of the worker's own events for the adapter (Ready, Drained, Heartbeat, WorkerError), after
+        whatever the sessions reported before it: a Drained must not overtake the jobs it says are done."""
+        self._take_reported()
+        self.pending.append(ev)
+
+    def _take_reported(self) -> None:
+        """The sessions' events (session.reporter's vocabulary) into the adapter's (api), in order."""
         for ev in self.reporter.take():
             if isinstance(ev, JobDone) and not ev.success:
                 self._log_failed(ev)
             elif isinstance(ev, SessionClosed):
                 log.info("session with %s closed: %s", ev.peer_id or "?", ev.reason)
             self.pending.append(_to_api(ev))
+
+    def _flush_events(self) -> None:
+        self._take_reported()
         if self.evt.pending_bytes and not self.evt.flush():  # the tail of an event that spans slots, first
             return
         while self.pending:
@@ -825,7 +841,7 @@ def _too_large(ev: api.Event, e: Exception) -> api.Event:
     return api.WorkerError(f"{type(ev).__name__} dropped: {e}")
 
 
-def _to_api(ev) -> api.Event:
+def _to_api(ev: ReportedEvent) -> api.Event:
     if isinstance(ev, JobDone):
         # success means every key of the job moved: the adapter knows them (a 65,536-key job would echo 2.8 MB)
         keys = [] if ev.success else list(ev.keys)
@@ -838,7 +854,7 @@ def _to_api(ev) -> api.Event:
         return api.PeerUp(ev.peer_id)
     if isinstance(ev, SessionClosed):
         return api.PeerDown(ev.peer_id, ev.reason)
-    return ev  # already an api event (Ready, Drained, WorkerError)
+    raise TypeError(f"not a session event: {ev!r}")  # the worker's own events go straight to _emit
 
 
 def install_hook(worker: Worker, env=os.environ) -> str | None:

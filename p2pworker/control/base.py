@@ -8,8 +8,9 @@ down (heartbeat lost, unreachable, rejected), each reported once.
 from __future__ import annotations
 
 import abc
+import enum
 import os
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Protocol, Union
 
 DEFAULT_PORT = 5710
 PORT_ENV = "VLLM_P2P_SIDE_CHANNEL_PORT"
@@ -43,9 +44,41 @@ class LinkDown(NamedTuple):
 ControlEvent = Union[Received, LinkUp, LinkDown]
 
 
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"  # outbound: hello sent
+    AUTHING = "authing"  # outbound: our proof sent, waiting for the welcome
+    CHALLENGED = "challenged"  # inbound: challenge sent, waiting for the peer's proof
+    UP = "up"
+    DOWN = "down"  # outbound: reconnects after a backoff; inbound: forgotten
+    FAILED = "failed"  # outbound: refused for good (bad secret, other version)
+
+
+class LinkInfo(Protocol):
+    """What the worker may read of a link (the transport's own record)."""
+
+    link_id: str
+    outbound: bool
+    address: str
+    state: LinkState
+    node_id: str
+    reason: str  # why it went down or failed
+
+
 class ControlTransport(abc.ABC):
+    """What the worker needs of a control transport: links, payloads, events, and what its poll loop watches."""
+
     node_id: str
     address: str  # where peers reach us, e.g. tcp://127.0.0.1:5710
+    counters: dict[str, int]  # frames in/out, handshakes refused, ... (``p2pworker inspect``)
+    sockets_epoch: int  # bumped whenever sockets() changes: an outer poll loop rebuilds its poller only then
+
+    @abc.abstractmethod
+    def sockets(self) -> list[Any]:
+        """Every socket (zmq socket or file descriptor) an outer poll loop should watch for POLLIN."""
+
+    @abc.abstractmethod
+    def link(self, link_id: str) -> LinkInfo | None:
+        """The link's record, or None once the transport has forgotten it."""
 
     @abc.abstractmethod
     def connect(self, address: str) -> str:

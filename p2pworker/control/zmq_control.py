@@ -61,6 +61,7 @@ from p2pworker.control.base import (
     SECRET_ENV,
     ControlTransport,
     LinkDown,
+    LinkState,
     LinkUp,
     Received,
     default_port,
@@ -119,15 +120,6 @@ class ControlConfig:
     @property
     def deadline_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_liveness
-
-
-class LinkState(enum.Enum):
-    CONNECTING = "connecting"
-    AUTHING = "authing"
-    CHALLENGED = "challenged"
-    UP = "up"
-    DOWN = "down"
-    FAILED = "failed"
 
 
 class Act(enum.Enum):

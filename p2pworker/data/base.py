@@ -125,6 +125,7 @@ class DataTransport(abc.ABC):
     """Register the local region once; read peers' rows into it; report each transfer once."""
 
     backend: str
+    stats: TransferStats  # what it moved (``p2pworker inspect``, metrics)
 
     @abc.abstractmethod
     def local_info(self) -> PeerDataInfo:

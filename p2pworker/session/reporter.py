@@ -84,6 +84,9 @@ class Reporter:
         self.events.append(LookupAnswer(lookup_id, None if present is None else tuple(present), reason))
 
     def emit(self, event: Event) -> None:
+        """A session event (SessionUp, SessionClosed, ServeLookup); the worker's own events never come here."""
+        if not isinstance(event, (SessionUp, SessionClosed, ServeLookup)):
+            raise LocalProtocolError(f"not a session event: {event!r}")
         self.events.append(event)
 
     def take(self) -> list[Event]:

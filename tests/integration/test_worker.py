@@ -193,7 +193,9 @@ def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
                     assert {k: s.labels.get(k) for k in ident} == ident, (f.name, s.labels)  # every series labelled
             jobs = {(s.labels["kind"], s.labels["outcome"]): s.value for s in fams["p2pworker_jobs"].samples
                     if s.name == "p2pworker_jobs_total"}
-            assert jobs == {("load", "failed"): 1.0}
+            # every kind x outcome exists from attach on (primed at 0): a dashboard's outcome="failed" reads 0
+            assert jobs == {("load", "failed"): 1.0, ("load", "ok"): 0.0, ("store", "ok"): 0.0,
+                            ("store", "failed"): 0.0}
             assert [s.value for s in fams["p2pworker_transfers_in_flight"].samples] == [0.0]
             # counts that only rise are counters (exposed as <name>_total)
             assert fams["p2pworker_peer_deaths"].type == "counter"
