@@ -155,6 +155,10 @@ class PieceTransport(DataTransport):
         self._retiring.append(peer)
         self._reap_retiring()
 
+    def peers(self) -> list[str]:
+        """The live peer keys."""
+        return list(self._peers)
+
     def remotes(self) -> dict[str, int]:
         """Loaded remote agents and how many peer records (live or retiring) reference each."""
         return {name: len(r.refs) for name, r in self._remotes.items()}
