@@ -1,19 +1,18 @@
-"""Worker configuration: a TOML file (see configs/) plus command-line overrides, typed and range-checked.
+"""Worker configuration: one schema of msgspec Structs, from a TOML file, inline JSON and command-line flags.
 
-The settings are the dataclasses below (and ``ControlConfig``, ``SessionConfig`` of their modules); every value a
-file or an override sets is converted with msgspec against the field's type, narrowed by :data:`CONSTRAINTS`
-where a type alone allows nonsense (a negative interval, a port above 65535, a backend nobody has).  Any error
-names the file and the path (``configs/prefill.toml: $.control.port: Expected `int`, got `str```); unknown keys
-are errors too.  ``p2pworker config check FILE`` prints the effective settings or the errors.
+``WorkerConfig`` holds the [worker] keys and the ``ControlConfig``, ``DataConfig`` and ``SessionConfig`` tables
+(each a Struct next to the code it configures; the constrained types are p2pworker/schema.py).  Each source (the
+file, the tier's ``worker_settings``, the flags) is checked alone against the schema, so an error names the source
+and the path (``configs/prefill.toml: $.control.port: Expected `int | null`, got `str` (got '5710')``); unknown
+keys are errors too.  Then the sources are merged, later over earlier.  The tier's own keys are ``TierSettings``.
+``p2pworker config check FILE`` prints the effective settings or the errors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import re
 import tomllib
-import typing
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
@@ -21,120 +20,120 @@ from msgspec import Meta
 
 from p2pworker.control.base import DEFAULT_PORT, HOST_ENV, PORT_ENV
 from p2pworker.control.zmq_control import ControlConfig
-from p2pworker.limits import MAX_FRAME_BYTES
+from p2pworker.schema import NonNeg, Port, Pos, PosInt
 from p2pworker.session.session import SessionConfig
 
 Backend = Literal["auto", "nixl", "zmq"]
+Role = Literal["", "prefill", "decode", "both"]
 
 
-@dataclass
-class DataConfig:
+class DataConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """[data] settings."""
+
     backend: Backend = "auto"
-    max_piece_bytes: int = 8 << 20
-    post_budget_bytes: int = 16 << 20
+    max_piece_bytes: PosInt = 8 << 20
+    post_budget_bytes: PosInt = 16 << 20
 
 
-@dataclass
-class WorkerConfig:
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """[worker] settings and the other tables."""
+
     name: str = "p2pworker"
     rings: str = ""  # ring name prefix; the adapter creates <rings>.cmd and <rings>.evt
     admin_path: str = ""  # default: /tmp/p2pworker-<name>-<pid>.admin
-    role: str = ""  # a label on every metric (prefill, decode, ...): which engine this worker serves
-    metrics_port: int = 0  # 0: no Prometheus endpoint; else the base port: bound port = metrics_port + dp_index
+    role: Role = ""  # a label on every metric: which engine this worker serves
+    metrics_port: Port = 0  # 0: no Prometheus endpoint; else the base port: bound port = metrics_port + dp_index
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 (or the pod IP) for a Prometheus in another pod
-    tick_s: float = 0.05  # session/lot timers
-    idle_poll_s: float = 0.1  # longest sleep when idle
-    busy_poll_s: float = 0.001  # poll period while our own reads are in flight (drives NIXL progress)
-    passive_poll_s: float = 0.005  # poll period while we hold leases: a passive NIXL target over TCP must progress
-    shutdown_timeout_s: float = 10.0  # bound on draining in-flight transfers at shutdown
+    tick_s: Pos = 0.05  # session/lot timers
+    idle_poll_s: Pos = 0.1  # longest sleep when idle
+    busy_poll_s: Pos = 0.001  # poll period while our own reads are in flight (drives NIXL progress)
+    passive_poll_s: Pos = 0.005  # poll period while we hold leases: a passive NIXL target over TCP must progress
+    shutdown_timeout_s: Pos = 10.0  # bound on draining in-flight transfers at shutdown
     prefault: bool = True  # pre-fault the region's page tables at attach (MAP_POPULATE)
-    wait_rings_s: float = 0.0  # operator-launched worker: wait this long for the adapter to create the rings
-    control: ControlConfig = field(default_factory=ControlConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    session: SessionConfig = field(default_factory=SessionConfig)
+    wait_rings_s: NonNeg = 0.0  # operator-launched worker: wait this long for the adapter to create the rings
+    control: ControlConfig = msgspec.field(default_factory=ControlConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    session: SessionConfig = msgspec.field(default_factory=SessionConfig)
 
 
 class ConfigError(ValueError):
     """A config value or key that cannot be used; the message names the source and the path."""
 
 
-_Pos = Annotated[float, Meta(gt=0)]
-_NonNeg = Annotated[float, Meta(ge=0)]
-_PosInt = Annotated[int, Meta(ge=1)]
-_Port = Annotated[int, Meta(ge=0, le=65535)]
-
-# Narrower types than the fields' own, by path: what each setting may be.
-CONSTRAINTS: dict[str, Any] = {
-    "metrics_port": _Port,
-    "role": Literal["", "prefill", "decode", "both"],
-    "tick_s": _Pos, "idle_poll_s": _Pos, "busy_poll_s": _Pos, "passive_poll_s": _Pos, "shutdown_timeout_s": _Pos,
-    "wait_rings_s": _NonNeg,
-    "control.port": _Port | None,
-    "control.secret": str | None,  # the field also takes bytes (from code); a file gives a string
-    "control.dp_index": Annotated[int, Meta(ge=0, le=4095)],
-    "control.heartbeat_interval_s": _Pos, "control.heartbeat_liveness": _PosInt,
-    "control.reconnect_min_s": _Pos, "control.reconnect_max_s": _Pos,
-    "control.hwm": _PosInt, "control.max_pending_auth": _PosInt, "control.max_batch": _PosInt,
-    # a frame must hold MAX_MSG_KEYS keys (limits.py): below the default, long key lists would be refused
-    "control.max_frame_bytes": Annotated[int, Meta(ge=MAX_FRAME_BYTES, le=64 * MAX_FRAME_BYTES)],
-    "data.max_piece_bytes": _PosInt, "data.post_budget_bytes": _PosInt,
-    "session.load_timeout_s": Annotated[float, Meta(gt=0, le=3600)],  # a lease a producer may grant (MAX_LEASE_MS)
-    "session.fetch_timeout_s": _Pos, "session.lookup_timeout_s": _Pos, "session.park_timeout_s": _Pos,
-    "session.settle_timeout_s": _Pos, "session.handshake_timeout_s": _Pos,
-    "session.max_lease_s": Annotated[float, Meta(gt=0, le=3600)],
-    "session.max_queued": _PosInt, "session.max_inbound_lookups": _PosInt,
-}
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`$")
 
 
-def _apply(obj: Any, values: Any, path: str, source: str, shown: str = "") -> None:
-    """Set ``values`` on ``obj`` at ``path`` (the CONSTRAINTS key); errors show ``$<shown><path>``, e.g.
-    ``$.worker.role`` for a key of the file's [worker] table."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: ${shown}{path}: must be a table")
-    names = {f.name for f in dataclasses.fields(obj)}
-    hints = typing.get_type_hints(type(obj), include_extras=True)
-    for key, value in values.items():
-        where = f"{path}.{key}"
-        if key not in names:
-            raise ConfigError(f"{source}: ${shown}{where}: unknown key; known: {sorted(names)}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            _apply(current, value, where, source, shown)
-            continue
-        typ = CONSTRAINTS.get(where[1:], hints[key])
-        try:
-            setattr(obj, key, msgspec.convert(value, typ, strict=True))
-        except msgspec.ValidationError as e:
-            raise ConfigError(f"{source}: ${shown}{where}: {e} (got {value!r})") from None
+def _lookup(doc: Any, path: str) -> tuple[bool, Any]:
+    for part in path.split(".")[1:]:
+        if not isinstance(doc, dict) or part not in doc:
+            return False, None
+        doc = doc[part]
+    return True, doc
 
 
-def _apply_doc(cfg: WorkerConfig, doc: Any, source: str) -> None:
-    """One settings document: the TOML file's shape ([worker] plus [control], [data], [session]), from a file or
-    inline (the tier's ``worker_settings``, the CLI's ``--settings-json``)."""
+def _known(path: str) -> list[str]:
+    """The keys the schema has at ``path`` ($ or $.control, ...)."""
+    typ: Any = WorkerConfig
+    for part in path.split(".")[1:]:
+        typ = {f.name: f.type for f in msgspec.structs.fields(typ)}.get(part)
+    return sorted(f.name for f in msgspec.structs.fields(typ)) if typ is not None else []
+
+
+def _check(doc: Any, source: str) -> dict[str, Any]:
+    """One source's settings (the TOML file's shape: [worker] keys, which may also stand at the top, and the
+    [control], [data], [session] tables) checked alone against the schema; returns them flattened."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: $: must be a table of settings, got {type(doc).__name__}")
     doc = dict(doc)
-    _apply(cfg, doc.pop("worker", {}), "", source, shown=".worker")
-    _apply(cfg, doc, "", source)
+    worker = doc.pop("worker", {})
+    if not isinstance(worker, dict):
+        raise ConfigError(f"{source}: $.worker: must be a table, got {type(worker).__name__}")
+    for key in worker.keys() & doc.keys():
+        raise ConfigError(f"{source}: $.worker.{key}: given twice (in [worker] and at the top)")
+    flat = {**doc, **worker}
+    try:
+        msgspec.convert(flat, WorkerConfig, strict=True)
+    except msgspec.ValidationError as e:
+        m = _AT.match(str(e))
+        what, path = m.group("what"), m.group("path") or "$"
+        unknown = _UNKNOWN.match(what)
+        if unknown:
+            path, what = f"{path}.{unknown.group('key')}", f"unknown key; known: {_known(path)}"
+        else:
+            found, value = _lookup(flat, path)
+            what += f" (got {value!r})" if found else ""
+        first = path.split(".")[1] if path.count(".") else ""
+        shown = f"$.worker{path[1:]}" if first in worker else path  # where the user wrote it
+        raise ConfigError(f"{source}: {shown}: {what}") from None
+    return flat
+
+
+def _merge(into: dict[str, Any], over: dict[str, Any]) -> None:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
                 inline: dict[str, Any] | None = None, inline_source: str = "inline settings") -> WorkerConfig:
     """Defaults, then the TOML file, then ``inline`` (the same document shape, e.g. from vLLM's JSON), then
-    overrides (command-line flags)."""
-    cfg = WorkerConfig()
+    overrides (command-line flags); each checked alone, so an error names where it came from."""
+    merged: dict[str, Any] = {}
     if path:
         try:
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        _apply_doc(cfg, doc, path)
+        _merge(merged, _check(doc, path))
     if inline is not None:
-        _apply_doc(cfg, inline, inline_source)
+        _merge(merged, _check(inline, inline_source))
     if overrides:
-        _apply(cfg, overrides, "", "command line")
-    return cfg
+        _merge(merged, _check(overrides, "command line"))
+    return msgspec.convert(merged, WorkerConfig, strict=True)
 
 
 class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
@@ -224,7 +223,7 @@ def tier_entries(doc: Any) -> list[dict[str, Any]]:
 
 def effective(cfg: WorkerConfig) -> dict[str, Any]:
     """The settings as plain values (the secret masked), for ``p2pworker config check``."""
-    out = dataclasses.asdict(cfg)
+    out = msgspec.to_builtins(cfg)
     if out["control"].get("secret"):
         out["control"]["secret"] = "***"
     return out

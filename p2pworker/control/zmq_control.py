@@ -52,9 +52,10 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Annotated, Callable
 
 import msgspec
+from msgspec import Meta
 import zmq
 
 from p2pworker.control.base import (
@@ -68,6 +69,7 @@ from p2pworker.control.base import (
 )
 from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
 from p2pworker.limits import MAX_FRAME_BYTES
+from p2pworker.schema import DPIndex, Port, Pos, PosInt
 
 log = logging.getLogger(__name__)
 
@@ -101,21 +103,23 @@ _challenge_dec = msgspec.msgpack.Decoder(_Challenge)
 _auth_dec = msgspec.msgpack.Decoder(_Auth)
 
 
-@dataclass
-class ControlConfig:
+class ControlConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """[control] settings (schema types checked by msgspec when a file, JSON or flag sets them)."""
+
     host: str = "127.0.0.1"
-    port: int | None = None  # None: VLLM_P2P_SIDE_CHANNEL_PORT (5710) + dp_index; 0: any free port
-    dp_index: int = 0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_liveness: int = 3
-    reconnect_min_s: float = 0.1
-    reconnect_max_s: float = 5.0
-    secret: str | bytes | None = None  # None: $P2PWORKER_SECRET
+    port: Port | None = None  # None: VLLM_P2P_SIDE_CHANNEL_PORT (5710) + dp_index; 0: any free port
+    dp_index: DPIndex = 0
+    heartbeat_interval_s: Pos = 1.0
+    heartbeat_liveness: PosInt = 3
+    reconnect_min_s: Pos = 0.1
+    reconnect_max_s: Pos = 5.0
+    secret: str | None = None  # None: $P2PWORKER_SECRET (code may also pass bytes)
     auth: bool = True  # False only on purpose: logs a warning
-    hwm: int = 1000  # per-socket queue bound, messages
-    max_frame_bytes: int = MAX_FRAME_BYTES  # larger frames make ZMQ drop the sender's connection
-    max_pending_auth: int = 256  # inbound handshakes in progress at once
-    max_batch: int = 1000  # frames taken per socket per poll
+    hwm: PosInt = 1000  # per-socket queue bound, messages
+    # larger frames make ZMQ drop the sender's connection; a frame must hold MAX_MSG_KEYS keys (limits.py)
+    max_frame_bytes: Annotated[int, Meta(ge=MAX_FRAME_BYTES, le=64 * MAX_FRAME_BYTES)] = MAX_FRAME_BYTES
+    max_pending_auth: PosInt = 256  # inbound handshakes in progress at once
+    max_batch: PosInt = 1000  # frames taken per socket per poll
 
     @property
     def deadline_s(self) -> float:

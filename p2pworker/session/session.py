@@ -55,11 +55,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
+import msgspec
+
 from p2pworker.protocol.peer_info import PeerDataInfo
 from p2pworker.errors import LocalProtocolError, RemoteProtocolError
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.limits import MAX_JOB_KEYS
 from p2pworker.protocol import messages as m
+from p2pworker.schema import Lease as LeaseSeconds
+from p2pworker.schema import Pos, PosInt
 from p2pworker.session.parking import Lease, LeasePhase, Parcel, ParkingLot
 from p2pworker.session.reporter import Reporter, ServeLookup, SessionClosed, SessionUp
 
@@ -142,17 +146,18 @@ class CancelReads:
 Action = Union[Send, AddDataPeer, RemoveDataPeer, PostRead, CancelReads]
 
 
-@dataclass
-class SessionConfig:
-    load_timeout_s: float = 30.0  # the consumer's lease: no read counts after it
-    fetch_timeout_s: float = 20.0  # the producer ends a round's offers after this (or 0.9 of the lease)
-    lookup_timeout_s: float = 5.0
-    park_timeout_s: float = 60.0
-    settle_timeout_s: float = 10.0  # after the deadline, how long cancelled reads may take to settle
-    handshake_timeout_s: float = 3.0  # a load still waiting for the first handshake after this fails
-    max_lease_s: float = 300.0  # the longest lease a producer grants
-    max_queued: int = 10_000  # messages held while the handshake is pending
-    max_inbound_lookups: int = 1024
+class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """[session] settings (schema types checked by msgspec when a file, JSON or flag sets them)."""
+
+    load_timeout_s: LeaseSeconds = 30.0  # the consumer's lease: no read counts after it
+    fetch_timeout_s: Pos = 20.0  # the producer ends a round's offers after this (or 0.9 of the lease)
+    lookup_timeout_s: Pos = 5.0
+    park_timeout_s: Pos = 60.0
+    settle_timeout_s: Pos = 10.0  # after the deadline, how long cancelled reads may take to settle
+    handshake_timeout_s: Pos = 3.0  # a load still waiting for the first handshake after this fails
+    max_lease_s: LeaseSeconds = 300.0  # the longest lease a producer grants
+    max_queued: PosInt = 10_000  # messages held while the handshake is pending
+    max_inbound_lookups: PosInt = 1024
 
 
 class Rounds:
