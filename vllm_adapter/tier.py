@@ -93,12 +93,15 @@ M_STORES = "vllm:kv_offload_p2pworker_stores"
 M_DEATHS = "vllm:kv_offload_p2pworker_worker_deaths"
 M_RESTARTS = "vllm:kv_offload_p2pworker_worker_restarts"
 M_IN_FLIGHT = "vllm:kv_offload_p2pworker_jobs_in_flight"
+# Every series also carries `worker`: the worker's name (vllm-<engine id>), the value of the `engine` label on
+# that worker's own series, so the two join (vLLM's own `engine` label is the engine index, 0 on every instance).
 TIER_METRICS: dict[str, tuple[_Kind, tuple[str, ...], str]] = {
-    M_LOADS: (_Kind.COUNTER, ("outcome",), "Load jobs (peer -> this engine's CPU tier) finished, by outcome"),
-    M_STORES: (_Kind.COUNTER, ("outcome",), "Store jobs (rows offered to peers) finished, by outcome"),
-    M_DEATHS: (_Kind.COUNTER, (), "p2pworker processes of this engine that died or were killed as wedged"),
-    M_RESTARTS: (_Kind.COUNTER, (), "Attempts to start a new p2pworker after one died (each counts, failed or not)"),
-    M_IN_FLIGHT: (_Kind.GAUGE, (), "Jobs submitted to the worker and not yet reported"),
+    M_LOADS: (_Kind.COUNTER, ("worker", "outcome"), "Load jobs (peer -> this engine's CPU tier) finished, by outcome"),
+    M_STORES: (_Kind.COUNTER, ("worker", "outcome"), "Store jobs (rows offered to peers) finished, by outcome"),
+    M_DEATHS: (_Kind.COUNTER, ("worker",), "p2pworker processes of this engine that died or were killed as wedged"),
+    M_RESTARTS: (_Kind.COUNTER, ("worker",),
+                 "Attempts to start a new p2pworker after one died (each counts, failed or not)"),
+    M_IN_FLIGHT: (_Kind.GAUGE, ("worker",), "Jobs submitted to the worker and not yet reported"),
 }
 
 
@@ -615,12 +618,12 @@ class P2PWorkerTier(SecondaryTierManager):
         return stats
 
     def _series(self) -> dict[tuple[str, tuple[str, ...]], int]:
-        st = self._stats
+        st, w = self._stats, self._name
         return {
-            (M_LOADS, ("ok",)): st["loads_ok"], (M_LOADS, ("failed",)): st["loads_failed"],
-            (M_STORES, ("ok",)): st["stores_ok"], (M_STORES, ("failed",)): st["stores_failed"],
-            (M_DEATHS, ()): st["worker_deaths"], (M_RESTARTS, ()): self.restarts,
-            (M_IN_FLIGHT, ()): len(self._jobs),
+            (M_LOADS, (w, "ok")): st["loads_ok"], (M_LOADS, (w, "failed")): st["loads_failed"],
+            (M_STORES, (w, "ok")): st["stores_ok"], (M_STORES, (w, "failed")): st["stores_failed"],
+            (M_DEATHS, (w,)): st["worker_deaths"], (M_RESTARTS, (w,)): self.restarts,
+            (M_IN_FLIGHT, (w,)): len(self._jobs),
         }
 
     def counters(self) -> dict:

@@ -198,6 +198,10 @@ def test_every_metric_the_dashboard_queries_is_exported(pd):
     assert not missing, f"the dashboard queries series nobody exports: {missing}"
     # the tier's own counters reached vLLM's /metrics with real counts (not only declared)
     assert pd.metric("decode", "vllm:kv_offload_p2pworker_loads_total", outcome="ok") >= 1
+    # and join the workers' series: the tier's `worker` label is the worker's `engine` label, for both engines
+    tier_workers = {lab["worker"] for lab in series["vllm:kv_offload_p2pworker_loads_total"]}
+    worker_engines = {lab["engine"] for lab in series["p2pworker_sessions"]}
+    assert len(worker_engines) == 2 and worker_engines <= tier_workers, (worker_engines, tier_workers)
     names = sorted({n for n, _ in queried})
     print(f"dashboard: {len(dash['panels'])} panels, {len(queried)} queried series of {len(names)} metrics, all "
           f"exported: {names}")

@@ -63,9 +63,10 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     assert st_d["loads_ok"] == 1 and st_d["loads_failed"] == 0
     assert st_p["stores_ok"] >= 1 and st_p["stores_failed"] == 0 and st_p["jobs_in_flight"] == 0
     # the same counts reach vLLM through its metric hook (the manager's get_stats, summed as vLLM's frontend does)
-    assert decode.metric(M_LOADS) == {("ok",): 1, ("failed",): 0}
-    assert decode.metric(M_DEATHS) == {(): 0} and decode.metric(M_IN_FLIGHT) == {(): 0}
-    assert decode.metric(M_LOADS) == {("ok",): 1, ("failed",): 0}, "an unchanged count was reported twice"
+    w = decode.tier._name  # the worker label: the `engine` label of that worker's own series
+    assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0}
+    assert decode.metric(M_DEATHS) == {(w,): 0} and decode.metric(M_IN_FLIGHT) == {(w,): 0}
+    assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0}, "an unchanged count was reported twice"
     assert set(TIER_METRICS) <= set(decode.metric_defs), "the spec does not declare the tier's metrics"
 
 
@@ -124,7 +125,7 @@ def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
     run_until([decode], decode.idle, timeout_s=10)  # the manager would assert on a double or unknown report
     assert time.monotonic() - t0 < 2.0
     assert decode.tier.counters()["worker_deaths"] == 1
-    assert decode.metric(M_DEATHS) == {(): 1}
+    assert decode.metric(M_DEATHS) == {(decode.tier._name,): 1}
     assert not os.path.exists(old_admin), "the killed worker's admin socket was left behind"
     ctx2 = ReqContext(req_id="d4", kv_transfer_params={**params, "remote_prefiller": {
         **params["remote_prefiller"], "kv_request_id": "kv-new"}})
