@@ -1,0 +1,179 @@
+"""Two hosts emulated for real on one machine, for tests of what crosses a network (issue 15).
+
+Each host is a network namespace with its own veth end and address (10.77.<n>.1 and .2), its own PID and IPC
+namespaces and its own /dev/shm (a private tmpfs in its own mount namespace).  Both are needed for the data to
+cross the veth: UCX decides "same node" from the kernel's boot id, which no namespace changes, and then uses
+cross-memory attach between the two processes; in a separate PID namespace it treats the peer as another node
+and goes over TCP on the veth.  A host runs tests/hosts/agent.py (its KV region and its spawned worker).
+
+Where the machine refuses namespaces, both agents run on loopback with UCX forced onto TCP (``UCX_TLS=tcp,self``)
+and :attr:`TwoHosts.mode` says so; the tests print which one ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NETNS, LOOPBACK_TCP = "netns+veth", "loopback, UCX_TLS=tcp,self"
+
+
+class Host:
+    def __init__(self, name: str, ip: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name, self.ip = name, ip
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(os.devnull, "w") if not os.environ.get("P2PW_HOSTS_DEBUG")
+                                     else None, text=True, bufsize=1)
+        self.address = ""
+
+    def call(self, wait_s: float = 60.0, **req) -> dict:
+        """One request to the agent, its answer within ``wait_s`` (an error answer raises)."""
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], wait_s)
+        if not ready:
+            raise TimeoutError(f"host {self.name}: no answer to {req['op']} within {wait_s} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"host {self.name}: agent exited (code {self.proc.poll()}) during {req['op']}")
+        out = json.loads(line)
+        if not out.pop("ok"):
+            raise RuntimeError(f"host {self.name}: {req['op']} failed: {out['error']}")
+        return out
+
+    def stop(self) -> int | None:
+        code = None
+        if self.proc.poll() is None:
+            try:
+                code = self.call(op="stop", wait_s=30)["exit_code"]
+            except (OSError, RuntimeError, TimeoutError):
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        return code
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+
+
+class TwoHosts:
+    """``a`` and ``b``: started agents; ``link(up)`` cuts or restores the wire (netns mode only)."""
+
+    def __init__(self, tag: str) -> None:
+        n = os.getpid() % 200 + 20
+        self.ns = (f"p2pw{tag}a{n}", f"p2pw{tag}b{n}")
+        self.dev = (f"p2pw{tag}va{n}"[:15], f"p2pw{tag}vb{n}"[:15])
+        self.ips = (f"10.77.{n}.1", f"10.77.{n}.2")
+        self.mode = NETNS
+        self.why = ""
+        self.hosts: list[Host] = []
+        self.died: set[str] = set()  # hosts whose worker a test saw die on purpose (their exit code is not 0)
+
+    # ------------------------------------------------------------ namespaces
+    def _make(self) -> None:
+        (na, nb), (da, db), (ia, ib) = self.ns, self.dev, self.ips
+        _run("ip", "netns", "add", na)
+        _run("ip", "netns", "add", nb)
+        _run("ip", "link", "add", da, "type", "veth", "peer", "name", db)
+        for ns, dev, ip in ((na, da, ia), (nb, db, ib)):
+            _run("ip", "link", "set", dev, "netns", ns)
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+
+    def _unmake(self) -> list[str]:
+        left = []
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+        left += [ns for ns in self.ns if ns in listed.split()]
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=30).stdout
+        left += [d for d in self.dev if f" {d}@" in links or f" {d}:" in links]
+        return left
+
+    def wire_bytes(self) -> int:
+        """Bytes host a has sent on its veth (KV bytes read by b leave a this way); 0 on the loopback fallback."""
+        if self.mode != NETNS:
+            return 0
+        out = subprocess.run(["ip", "netns", "exec", self.ns[0], "cat",
+                              f"/sys/class/net/{self.dev[0]}/statistics/tx_bytes"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(out)
+
+    def link(self, up: bool) -> None:
+        """Cut (``up=False``) or restore the wire between the hosts, as `ip link set ... down` on host a."""
+        assert self.mode == NETNS, "only emulated hosts have a wire to cut"
+        _run("ip", "-n", self.ns[0], "link", "set", self.dev[0], "up" if up else "down")
+
+    # ------------------------------------------------------------ agents
+    def _argv(self, i: int) -> list[str]:
+        agent = [sys.executable, "-m", "tests.hosts.agent"]
+        if self.mode != NETNS:
+            return agent
+        script = ("mount -t tmpfs -o size=512m tmpfs /dev/shm && exec env UCX_NET_DEVICES=" + self.dev[i] + " "
+                  + " ".join(agent))
+        return ["ip", "netns", "exec", self.ns[i], "unshare", "--pid", "--ipc", "--fork", "--kill-child",
+                "--mount-proc", "sh", "-c", script]
+
+    def start(self, blocks: int, block_bytes: int, port: int = 5710, settings: dict | None = None,
+              env: dict[str, str] | None = None) -> None:
+        try:
+            self._make()
+        except (OSError, subprocess.SubprocessError) as e:
+            self._unmake()
+            self.mode, self.why = LOOPBACK_TCP, getattr(e, "stderr", "") or str(e)
+            self.ips = ("127.0.0.1", "127.0.0.1")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "P2PWORKER_SECRET": "emulated-hosts", **(env or {})}
+        if self.mode != NETNS:
+            env["UCX_TLS"] = "tcp,self"
+        for i, name in enumerate(("a", "b")):
+            host = Host(name, self.ips[i], self._argv(i), env)
+            self.hosts.append(host)
+            out = host.call(op="start", name=f"host{name}", blocks=blocks, block_bytes=block_bytes,
+                            host=self.ips[i], port=port if self.mode == NETNS else 0, seed=i, settings=settings)
+            host.address = out["address"]
+            host.backend = out["backend"]
+
+    @property
+    def a(self) -> Host:
+        return self.hosts[0]
+
+    @property
+    def b(self) -> Host:
+        return self.hosts[1]
+
+    def close(self) -> tuple[list, list[str]]:
+        codes = [h.stop() for h in self.hosts]
+        left = self._unmake() if self.mode == NETNS else []
+        return codes, left
+
+
+@contextlib.contextmanager
+def two_hosts(tag: str, blocks: int, block_bytes: int, settings: dict | None = None,
+              env: dict[str, str] | None = None):
+    """Two emulated hosts with agents started; both workers must exit 0 (unless the test took a death into
+    account: ``hosts.died``) and nothing may be left behind."""
+    hosts = TwoHosts(tag)
+    t0 = time.monotonic()
+    try:
+        hosts.start(blocks, block_bytes, settings=settings, env=env)
+        print(f"emulated hosts: {hosts.mode}{' (' + hosts.why.strip() + ')' if hosts.why else ''}; "
+              f"up in {time.monotonic() - t0:.1f} s; data backend {hosts.a.backend}")
+        yield hosts
+    finally:
+        codes, left = hosts.close()
+    assert not left, f"namespaces or links left behind: {left}"
+    expected = [None if h.name in hosts.died else 0 for h in hosts.hosts]
+    assert [None if h.name in hosts.died else c for h, c in zip(hosts.hosts, codes)] == expected, \
+        f"worker exit codes {codes}"
