@@ -284,7 +284,12 @@ class Worker:
         if self.cmd.arm():
             return
         try:
-            self._poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
+            if 0 < timeout_s < 0.001 and not self._poller.poll(0):
+                # below zmq_poll's millisecond: nothing to read now, so a plain sleep (a passive NIXL target over
+                # TCP, whose peer's READ is served only while we progress, wants this while it holds leases)
+                time.sleep(timeout_s)
+            else:
+                self._poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
         finally:
             self.cmd.disarm()
 
