@@ -10,6 +10,7 @@ keys are errors too.  Then the sources are merged, later over earlier.  The tier
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import tomllib
@@ -110,11 +111,12 @@ def _check(doc: Any, source: str) -> dict[str, Any]:
 
 
 def _merge(into: dict[str, Any], over: dict[str, Any]) -> None:
+    """``over`` into ``into``, nested tables key by key; copies, so no caller's dict is changed or shared."""
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
         else:
-            into[key] = value
+            into[key] = copy.deepcopy(value)
 
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
@@ -177,19 +179,19 @@ def tier_settings(config: dict[str, Any], env: Mapping[str, str] = os.environ) -
         raise ConfigError(f"{TIER_SOURCE}: {e}") from None
     inline_source = f"{TIER_SOURCE}.worker_settings"
     if s.worker_settings is not None:
-        control = s.worker_settings.get("control")
+        # as the loader will read it: [worker] keys (tables too) may also stand at the top, and the other way round
+        doc = s.worker_settings
+        flat = {**doc, **doc["worker"]} if isinstance(doc.get("worker"), dict) else dict(doc)
+        control = flat.get("control")
         if isinstance(control, dict) and "secret" in control:
             # the settings reach the worker on its command line, which every local user can read (ps, /proc)
             raise ConfigError(f"{inline_source}: $.control.secret: not here: a secret in the JSON would be on the "
                               "worker's command line; set $P2PWORKER_SECRET (or [control] secret in worker_config)")
         for path, owner in TIER_OWNED.items():
             section, key = path.split(".")
-            tables = [(f"$.{section}.{key}", s.worker_settings.get(section))]
-            if section == "worker":  # the [worker] keys may also stand at the top, as in a TOML file
-                tables.append((f"$.{key}", s.worker_settings))
-            for where, table in tables:
-                if isinstance(table, dict) and key in table:
-                    raise ConfigError(f"{inline_source}: {where}: set by the tier ({owner}), not by its settings")
+            table = flat if section == "worker" else flat.get(section)
+            if isinstance(table, dict) and key in table:
+                raise ConfigError(f"{inline_source}: $.{path}: set by the tier ({owner}), not by its settings")
     try:
         cfg = load_config(s.worker_config, inline=s.worker_settings, inline_source=inline_source)
     except OSError as e:

@@ -595,15 +595,18 @@ class Worker:
         if self.sessions.get(link) is s:
             del self.sessions[link]
             forgotten = True
+            # ours (outbound) for as long as we keep the link: it reconnects under the same id after a peer loss
             out = link in self._opened
-            self._opened.discard(link)
             key = self._link_addr.get(link)  # the address as the adapter gave it (a name stays a name)
+            if out and key is None:
+                self._opened.discard(link)  # the link was already dropped (its session outlived it)
             if out and key is not None:
                 if self.out_links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
                     # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                     # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                     del self.out_links[key]
                     del self._link_addr[link]
+                    self._opened.discard(link)
                     self._was_up.discard(link)
                     self.ctl.disconnect(link)
                     self._backoff(key, s.close_reason)

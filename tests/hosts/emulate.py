@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import select
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,12 +28,19 @@ NETNS, LOOPBACK_TCP = "netns+veth", "loopback, UCX_TLS=tcp,self"
 
 
 class Host:
-    def __init__(self, name: str, ip: str, argv: list[str], env: dict[str, str]) -> None:
-        self.name, self.ip = name, ip
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(os.devnull, "w") if not os.environ.get("P2PW_HOSTS_DEBUG")
-                                     else None, text=True, bufsize=1)
+    def __init__(self, name: str, ip: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name, self.ip, self.log_path = name, ip, log_path
+        with open(log_path, "w") as log:  # the agent's and its worker's logs: shown when a test fails
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         text=True, bufsize=1)
         self.address = ""
+        self.backend = ""
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
 
     def call(self, wait_s: float = 60.0, **req) -> dict:
         """One request to the agent, its answer within ``wait_s`` (an error answer raises)."""
@@ -45,15 +54,15 @@ class Host:
             raise RuntimeError(f"host {self.name}: agent exited (code {self.proc.poll()}) during {req['op']}")
         out = json.loads(line)
         if not out.pop("ok"):
-            raise RuntimeError(f"host {self.name}: {req['op']} failed: {out['error']}")
+            raise RuntimeError(f"host {self.name}: {req['op']} failed: {out['error']}\n{self.log_tail()}")
         return out
 
     def stop(self) -> int | None:
         code = None
         if self.proc.poll() is None:
             try:
-                code = self.call(op="stop", wait_s=30)["exit_code"]
-            except (OSError, RuntimeError, TimeoutError):
+                code = self.call(op="stop", wait_s=30).get("exit_code")
+            except Exception:  # noqa: BLE001 - a late or odd answer must not keep the namespaces from going
                 pass
         try:
             self.proc.wait(timeout=30)
@@ -70,11 +79,13 @@ def _run(*argv: str) -> None:
 class TwoHosts:
     """``a`` and ``b``: started agents; ``link(up)`` cuts or restores the wire (netns mode only)."""
 
-    def __init__(self, tag: str) -> None:
-        n = os.getpid() % 200 + 20
-        self.ns = (f"p2pw{tag}a{n}", f"p2pw{tag}b{n}")
-        self.dev = (f"p2pw{tag}va{n}"[:15], f"p2pw{tag}vb{n}"[:15])
+    def __init__(self, tag: str, log_dir: Path) -> None:
+        uid = secrets.token_hex(3)  # unique per run: never another run's namespaces, created or deleted
+        n = secrets.randbelow(200) + 20
+        self.ns = (f"p2pw-{tag}-{uid}-a", f"p2pw-{tag}-{uid}-b")
+        self.dev = (f"p2w{uid}a", f"p2w{uid}b")  # interface names: at most 15 characters
         self.ips = (f"10.77.{n}.1", f"10.77.{n}.2")
+        self.log_dir = log_dir
         self.mode = NETNS
         self.why = ""
         self.hosts: list[Host] = []
@@ -129,16 +140,19 @@ class TwoHosts:
     def start(self, blocks: int, block_bytes: int, port: int = 5710, settings: dict | None = None,
               env: dict[str, str] | None = None) -> None:
         try:
+            if os.environ.get("P2PW_HOSTS_LOOPBACK"):  # to exercise the fallback where namespaces work
+                raise OSError("$P2PW_HOSTS_LOOPBACK is set")
             self._make()
         except (OSError, subprocess.SubprocessError) as e:
-            self._unmake()
-            self.mode, self.why = LOOPBACK_TCP, getattr(e, "stderr", "") or str(e)
+            self._unmake()  # only our own names: they are unique to this run
+            self.mode, self.why = LOOPBACK_TCP, (getattr(e, "stderr", "") or str(e)).strip()
             self.ips = ("127.0.0.1", "127.0.0.1")
+            warnings.warn(f"emulated hosts unavailable ({self.why}): running on loopback with UCX_TLS=tcp,self")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "P2PWORKER_SECRET": "emulated-hosts", **(env or {})}
         if self.mode != NETNS:
             env["UCX_TLS"] = "tcp,self"
         for i, name in enumerate(("a", "b")):
-            host = Host(name, self.ips[i], self._argv(i), env)
+            host = Host(name, self.ips[i], self._argv(i), env, self.log_dir / f"host-{name}.log")
             self.hosts.append(host)
             out = host.call(op="start", name=f"host{name}", blocks=blocks, block_bytes=block_bytes,
                             host=self.ips[i], port=port if self.mode == NETNS else 0, seed=i, settings=settings)
@@ -154,17 +168,21 @@ class TwoHosts:
         return self.hosts[1]
 
     def close(self) -> tuple[list, list[str]]:
-        codes = [h.stop() for h in self.hosts]
-        left = self._unmake() if self.mode == NETNS else []
+        codes: list = []
+        try:
+            for h in self.hosts:
+                codes.append(h.stop())
+        finally:  # whatever the agents did: the namespaces and the wire go
+            left = self._unmake() if self.mode == NETNS else []
         return codes, left
 
 
 @contextlib.contextmanager
-def two_hosts(tag: str, blocks: int, block_bytes: int, settings: dict | None = None,
+def two_hosts(tag: str, log_dir: Path, blocks: int, block_bytes: int, settings: dict | None = None,
               env: dict[str, str] | None = None):
     """Two emulated hosts with agents started; both workers must exit 0 (unless the test took a death into
     account: ``hosts.died``) and nothing may be left behind."""
-    hosts = TwoHosts(tag)
+    hosts = TwoHosts(tag, log_dir)
     t0 = time.monotonic()
     try:
         hosts.start(blocks, block_bytes, settings=settings, env=env)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.hosts.emulate import NETNS, two_hosts
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,9 +42,8 @@ def same_bytes(hosts, src_rows, dst_rows) -> bool:
     return (hosts.a.call(op="digest", rows=src_rows)["sha256"] == hosts.b.call(op="digest", rows=dst_rows)["sha256"])
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (ip netns); the fallback runs on loopback")
-def test_kv_blocks_cross_the_wire_byte_exact():
-    with two_hosts("x", blocks=512, block_bytes=BLOCK) as hosts:
+def test_kv_blocks_cross_the_wire_byte_exact(tmp_path):
+    with two_hosts("x", tmp_path, blocks=512, block_bytes=BLOCK) as hosts:
         assert not same_bytes(hosts, list(range(64)), list(range(256, 320))), "regions start equal: proves nothing"
         for n, req in ((4, "r-small"), (64, "r-16m"), (256, "r-64m")):
             wire0, t0 = hosts.wire_bytes(), time.monotonic()
@@ -57,25 +57,24 @@ def test_kv_blocks_cross_the_wire_byte_exact():
                   f"{n * BLOCK / took / 1e9:.2f} GB/s)")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (ip netns); the fallback runs on loopback")
-def test_a_peer_host_nobody_answers_on_fails_the_load_in_its_bound():
-    with two_hosts("u", blocks=64, block_bytes=BLOCK, settings=FAST) as hosts:
-        nobody = hosts.a.ip.rsplit(".", 1)[0] + ".99:5710"  # on the wire's subnet, no such host
+def test_a_peer_host_nobody_answers_on_fails_the_load_in_its_bound(tmp_path):
+    with two_hosts("u", tmp_path, blocks=64, block_bytes=BLOCK, settings=FAST) as hosts:
+        # on the wire's subnet, no such host (on the loopback fallback: a port nobody listens on)
+        nobody = hosts.a.ip.rsplit(".", 1)[0] + ".99:5710" if hosts.mode == NETNS else f"127.0.0.1:{free_port()}"
         t0 = time.monotonic()
         hosts.b.call(op="load", job=1, address=nobody, request="r", keys=keys("r", 8), rows=list(range(8)))
         done = hosts.b.call(op="wait", jobs=[1], timeout_s=20, wait_s=30)["done"]
         took = time.monotonic() - t0
         assert "1" in done and not done["1"]["success"], done
-        assert took < 3.0 + 1.5 + 2.0, f"reported after {took:.1f} s (handshake timeout 3 s, control deadline 1.5 s)"
+        assert took < 3.0 + 1.5 + 5.0, f"reported after {took:.1f} s (handshake timeout 3 s, control deadline 1.5 s)"
         print(f"{hosts.mode}: load from an absent host failed after {took:.1f} s: {done['1']['reason']}")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="cutting the wire needs the emulated hosts (root, ip netns)")
-def test_the_wire_cut_under_a_load_then_restored():
+def test_the_wire_cut_under_a_load_then_restored(tmp_path):
     """A load whose producer sits behind a cut wire fails once, within the consumer's lease (3 s) plus the settle
     bound, and writes nothing; a wire cut in the middle of a large transfer either completes byte-exact or fails
     once (never a success with wrong bytes); once the wire is back, the next load goes through."""
-    with two_hosts("c", blocks=1024, block_bytes=BLOCK, settings=FAST, env=UCX_EXTRA) as hosts:
+    with two_hosts("c", tmp_path, blocks=1024, block_bytes=BLOCK, settings=FAST, env=UCX_EXTRA) as hosts:
         if hosts.mode != NETNS:
             pytest.skip(f"no namespaces here ({hosts.why}): there is no wire to cut")
         assert transfer(hosts, "warm", list(range(4)), list(range(512, 516)), job=10)["success"]
@@ -85,16 +84,16 @@ def test_the_wire_cut_under_a_load_then_restored():
         rep = transfer(hosts, "cut", list(range(8)), list(range(600, 608)), job=20, timeout_s=30)
         took = time.monotonic() - t0
         assert not rep["success"], rep
-        assert took < 3.0 + 10.0, f"the cut load was reported after {took:.1f} s"
+        assert took < 3.0 + 15.0, f"the cut load was reported after {took:.1f} s"
         assert hosts.b.call(op="digest", rows=list(range(600, 608)))["sha256"] == before, "a failed load wrote rows"
         print(f"wire cut: load failed after {took:.1f} s: {rep['reason']}")
         hosts.link(up=True)
         t0, ok = time.monotonic(), False
         for attempt in range(40):  # loads to a peer just lost fail at once until its redial backoff has passed
             rep = transfer(hosts, f"back-{attempt}", list(range(16)), list(range(700, 716)), job=100 + 10 * attempt,
-                           timeout_s=30)
-            if rep["success"]:
-                ok = True
+                           timeout_s=10)
+            if rep["success"] or time.monotonic() - t0 > 30:
+                ok = rep["success"]
                 break
             time.sleep(0.5)
         assert ok, f"no load went through within {time.monotonic() - t0:.1f} s of the wire coming back: {rep}"
@@ -115,6 +114,11 @@ def test_the_wire_cut_under_a_load_then_restored():
             assert same_bytes(hosts, list(range(256)), list(range(768, 1024))), "reported success with wrong bytes"
             outcome = "completed before the cut, byte-exact"
         elif done is not None:
+            # reported failed: from then on nothing may land in those rows (invariant 7), wire back or not
+            at_report = hosts.b.call(op="digest", rows=list(range(768, 1024)))["sha256"]
+            time.sleep(FAST["session"]["load_timeout_s"] + 2.0)
+            assert hosts.b.call(op="digest", rows=list(range(768, 1024)))["sha256"] == at_report, \
+                "rows changed after their load was reported failed"
             outcome = f"failed once after {took:.1f} s: {done['reason']}"
         else:
             # Reads posted over TCP that the cut left hanging cannot be aborted (NIXL/UCX may still land them):

@@ -91,8 +91,10 @@ def test_tier_settings_inline_over_file_and_address_precedence(tmp_path):
 
 @pytest.mark.parametrize("inline,what", [
     ({"control": {"secret": "s3cret"}}, "$.control.secret: not here"),  # would be on the worker's command line
+    ({"worker": {"control": {"secret": "s3cret"}}}, "$.control.secret: not here"),  # a table under [worker]
     ({"worker": {"name": "x"}}, "$.worker.name: set by the tier"),
-    ({"rings": "x"}, "$.rings: set by the tier"),
+    ({"rings": "x"}, "$.worker.rings: set by the tier"),
+    ({"worker": {"control": {"dp_index": 1}}}, "$.control.dp_index: set by the tier"),
     ({"control": {"dp_index": 1}}, "$.control.dp_index: set by the tier"),
 ])
 def test_tier_settings_refuse_what_the_tier_owns_or_must_not_pass(inline, what):
@@ -109,3 +111,10 @@ def test_a_bad_port_in_the_environment_names_the_variable(value):
 
     with pytest.raises(ConfigError, match=re.escape(f"$VLLM_P2P_SIDE_CHANNEL_PORT={value!r}: not a port")):
         tier_settings({}, env={"VLLM_P2P_SIDE_CHANNEL_PORT": value})
+
+
+def test_loading_changes_no_caller_dict():
+    inline = {"control": {"hwm": 5}}
+    cfg = load_config(None, {"control": {"port": 1}}, inline=inline)
+    assert (cfg.control.hwm, cfg.control.port) == (5, 1)
+    assert inline == {"control": {"hwm": 5}}
