@@ -13,6 +13,13 @@ per line; an answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
            (reported so far; worker_exit: the worker's exit code if it died while we waited, else null)
     {"op": "digest", "rows": [...]} -> {"ok": true, "sha256": hex}                     of those rows, in order
     {"op": "stop"} -> {"ok": true, "exit_code": C}                                     worker closed, region removed
+
+Raw NIXL beside the worker, over the same wire (benchmarks/hosts_bench.py's baseline): the agent's own NIXL agent
+registers the same region; the target side keeps a progress thread running (over TCP a peer's READ is served only
+while the target progresses) until raw_close.
+    {"op": "raw_open", "serve": bool} -> {"ok": true, "metadata": hex, "base": addr}
+    {"op": "raw_read", "metadata": hex, "base": addr, "rows": n, "dst": first_row, "reps": R} -> {"seconds": [...]}
+    {"op": "raw_close"}
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -35,6 +43,9 @@ class Agent:
         self.region: KVRegion | None = None
         self.client: WorkerClient | None = None
         self.done: dict[int, dict] = {}
+        self.raw = None  # (nixl agent, registration) for the raw NIXL baseline
+        self._serving = threading.Event()
+        self._server: threading.Thread | None = None
 
     def start(self, name: str, blocks: int, block_bytes: int, host: str, port: int, seed: int,
               settings: dict | None) -> dict:
@@ -85,11 +96,75 @@ class Agent:
             for r in req["rows"]:
                 h.update(arr[r].tobytes())
             return {"sha256": h.hexdigest()}
+        if op == "raw_open":
+            return self.raw_open(req.get("serve", False))
+        if op == "raw_read":
+            return self.raw_read(bytes.fromhex(req["metadata"]), req["base"], req["rows"], req["dst"], req["reps"])
+        if op == "raw_close":
+            self.raw_close()
+            return {}
         if op == "stop":
             return {"exit_code": self.close()}
         raise ValueError(f"unknown op {op!r}")
 
+    def raw_open(self, serve: bool) -> dict:
+        from p2pworker.data.nixl_transport import import_nixl
+
+        nixl_agent, nixl_agent_config = import_nixl()
+        agent = nixl_agent(f"raw-{os.getpid()}-{time.monotonic_ns()}",
+                           nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        reg = agent.register_memory([(self.region.address, self.region.nbytes, 0, "")], "DRAM")
+        self.raw = (agent, reg)
+        if serve:
+            self._serving.set()
+
+            def progress() -> None:  # the best a passive target can do: progress every 0.1 ms
+                while self._serving.is_set():
+                    agent.get_new_notifs()
+                    time.sleep(0.0001)
+
+            self._server = threading.Thread(target=progress, daemon=True)
+            self._server.start()
+        return {"metadata": agent.get_agent_metadata().hex(), "base": self.region.address}
+
+    def raw_read(self, metadata: bytes, base: int, rows: int, dst: int, reps: int) -> dict:
+        agent = self.raw[0]
+        remote = agent.add_remote_agent(metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        bb = self.region.block_bytes
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.region.address + (dst + i) * bb, bb, 0)
+                                                          for i in range(rows)], "DRAM")
+        peer = agent.prep_xfer_dlist(remote, [(base + i * bb, bb, 0) for i in range(rows)], "DRAM")
+        idx = np.arange(rows, dtype=np.int32)
+        seconds = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            h = agent.make_prepped_xfer("READ", local, idx, peer, idx)
+            state = agent.transfer(h)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            agent.release_xfer_handle(h)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL READ ended {state}")
+            seconds.append(time.perf_counter() - t0)
+        agent.release_dlist_handle(local)
+        agent.release_dlist_handle(peer)
+        agent.remove_remote_agent(remote)
+        return {"seconds": seconds}
+
+    def raw_close(self) -> None:
+        self._serving.clear()
+        if self._server is not None:
+            self._server.join(timeout=5)
+            self._server = None
+        if self.raw is not None:
+            agent, reg = self.raw
+            agent.deregister_memory(reg)
+            self.raw = None
+
     def close(self) -> int | None:
+        if self.raw is not None:
+            self.raw_close()
         code = self.client.close() if self.client is not None else None
         self.client = None
         if self.region is not None:
