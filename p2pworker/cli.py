@@ -27,6 +27,9 @@ def main() -> None:
 @click.option("--name", default=None, help="Worker name (logs, admin path).")
 @click.option("--host", default=None, help="Control host to bind (overrides [control] host).")
 @click.option("--port", type=int, default=None, help="Control base port (0: any free port).")
+@click.option("--advertise-host", default=None,
+              help="Where peers reach this worker if not the bound host (a 0.0.0.0 bind advertises $POD_IP or this "
+                   "machine's name resolved).")
 @click.option("--dp-index", type=int, default=None, help="Data-parallel rank: bound port = port + index.")
 @click.option("--backend", type=click.Choice(["auto", "nixl", "zmq"]), default=None, help="Data backend.")
 @click.option("--admin", "admin_path", default=None, help="Admin socket path.")
@@ -39,8 +42,8 @@ def main() -> None:
 @click.option("-v", "--verbose", count=True,
               help="-v: p2pworker's own DEBUG logs; -vv: every library's too.  Without it the level is "
                    "$P2PWORKER_LOG_LEVEL, else $VLLM_LOGGING_LEVEL (the engine that spawned us), else INFO.")
-def launch(config_path, settings_json, rings, name, host, port, dp_index, backend, admin_path, metrics_port,
-           metrics_host, no_auth, wait_rings_s, verbose) -> None:
+def launch(config_path, settings_json, rings, name, host, port, advertise_host, dp_index, backend, admin_path,
+           metrics_port, metrics_host, no_auth, wait_rings_s, verbose) -> None:
     """Run a worker in the foreground (what the adapter spawns; an operator can run it by hand).
 
     The shared secret comes from $P2PWORKER_SECRET or the config's [control] secret.
@@ -55,7 +58,7 @@ def launch(config_path, settings_json, rings, name, host, port, dp_index, backen
     logging.getLogger("p2pworker").setLevel(own_level)
     over: dict = {"rings": rings}
     control: dict = {}
-    for key, value in (("host", host), ("port", port), ("dp_index", dp_index)):
+    for key, value in (("host", host), ("port", port), ("dp_index", dp_index), ("advertise_host", advertise_host)):
         if value is not None:
             control[key] = value
     if no_auth:

@@ -144,7 +144,8 @@ class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
     Here, not in vllm_adapter, so ``p2pworker config check`` reads a vLLM JSON without importing vLLM."""
 
     locality: str | None = None
-    host: str | None = None  # default: $VLLM_P2P_SIDE_CHANNEL_HOST, else 127.0.0.1
+    host: str | None = None  # where the worker binds; default: $VLLM_P2P_SIDE_CHANNEL_HOST, else 127.0.0.1
+    advertise_host: str | None = None  # where peers reach it, if not the bound host (see ControlConfig)
     port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # base; the worker binds port + DP index
     worker_config: str | None = None  # the worker's TOML (a path; relative to vLLM's working directory)
     # the worker's settings inline, the TOML's shape ({"worker": {...}, "control": {...}, ...}); over worker_config
@@ -197,6 +198,8 @@ def tier_settings(config: dict[str, Any], env: Mapping[str, str] = os.environ) -
     except OSError as e:
         raise ConfigError(f"{TIER_SOURCE}.worker_config: {e}") from None
     cfg.control.host = s.host or env.get(HOST_ENV) or cfg.control.host
+    if s.advertise_host is not None:
+        cfg.control.advertise_host = s.advertise_host
     if s.port is not None:
         cfg.control.port = s.port
     elif PORT_ENV in env:

@@ -212,6 +212,8 @@ class P2PWorkerTier(SecondaryTierManager):
         self._name = f"vllm-{cfg.engine_id}"[:60].replace("/", "_")
         self._worker_args = ["--host", self.host, "--port", str(base), "--dp-index", str(dp),
                              "--backend", wcfg.data.backend]
+        if s.advertise_host is not None:  # else the worker settings' own (worker_settings / worker_config)
+            self._worker_args += ["--advertise-host", s.advertise_host]
         if s.worker_settings is not None:
             self._worker_args += ["--settings-json", json.dumps(s.worker_settings)]
         self._worker_config = s.worker_config
@@ -637,7 +639,7 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def config_info(self) -> dict:
         ready = self._client.ready if self._client is not None else None
-        return {"p2p_address": f"{self.host}:{self.port}",
+        return {"p2p_address": self.worker_address or f"{self.host}:{self.port}",  # what peers dial, once known
                 "p2p_backend": getattr(ready, "backend", None) or "starting"}
 
     @property

@@ -120,10 +120,36 @@ class ControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_frame_bytes: Annotated[int, Meta(ge=MAX_FRAME_BYTES, le=64 * MAX_FRAME_BYTES)] = MAX_FRAME_BYTES
     max_pending_auth: PosInt = 256  # inbound handshakes in progress at once
     max_batch: PosInt = 1000  # frames taken per socket per poll
+    # where peers reach us when that is not the bound host (a wildcard bind, NAT, a pod): None -> the bound host,
+    # or for a wildcard bind $POD_IP, else this machine's host name resolved
+    advertise_host: str | None = None
 
     @property
     def deadline_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_liveness
+
+
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")
+
+
+def advertised(bound: str, advertise_host: str | None, env=os.environ) -> str:
+    """The address peers should dial for a socket bound at ``bound`` (tcp://host:port): ``advertise_host`` if
+    set; the bound host unless it is a wildcard (peers cannot dial 0.0.0.0); else $POD_IP (Kubernetes' downward
+    API), else this machine's host name resolved."""
+    host, _, port = bound.removeprefix("tcp://").rpartition(":")
+    if advertise_host:
+        host = advertise_host
+    elif host in _WILDCARDS:
+        host = env.get("POD_IP") or _own_address()
+    return f"tcp://{f'[{host}]' if ':' in host and not host.startswith('[') else host}:{port}"
+
+
+def _own_address() -> str:
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name  # peers resolve it themselves (libzmq resolves names on every connect)
 
 
 class Act(enum.Enum):
@@ -252,7 +278,8 @@ class ZmqControl(ControlTransport):
             r.close(linger=0)
             self._ctx.term()
             raise P2PError(f"cannot bind the control socket on {cfg.host}:{port}: {e}") from e
-        self.address = r.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound_address = r.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address = advertised(self.bound_address, cfg.advertise_host)
         self._poller = zmq.Poller()
         self._poller.register(r, zmq.POLLIN)
         self._by_sock: dict[zmq.Socket, Link] = {}  # dealer socket -> its outbound link

@@ -4,7 +4,8 @@ Run inside the host's namespaces by tests/hosts/emulate.py (so the region, the r
 that host's private /dev/shm, and the worker binds that host's veth address).  One request per line, one answer
 per line; an answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
 
-    {"op": "start", "name": N, "blocks": B, "block_bytes": S, "host": IP, "port": P, "seed": K, "settings": {...}}
+    {"op": "start", "name": N, "blocks": B, "block_bytes": S, "host": IP, "port": P, "seed": K, "settings": {...},
+     "advertise": IP}   (bind host, e.g. 0.0.0.0, and the address peers are told to dial)
         -> {"ok": true, "address": "IP:PORT", "backend": "nixl"}   region of seeded random bytes, worker attached
     {"op": "store", "job": J, "request": R, "keys": [hex...], "rows": [...]}          park rows for a consumer
     {"op": "load", "job": J, "address": A, "request": R, "keys": [hex...], "rows": [...]}
@@ -48,11 +49,11 @@ class Agent:
         self._server: threading.Thread | None = None
 
     def start(self, name: str, blocks: int, block_bytes: int, host: str, port: int, seed: int,
-              settings: dict | None) -> dict:
+              settings: dict | None, advertise: str | None = None) -> dict:
         self.region = KVRegion.create(f"p2pw_host_{name}_{os.getpid()}", blocks, block_bytes)
         rng = np.random.default_rng(seed)
         self.region.array()[:] = rng.integers(0, 256, size=(blocks, block_bytes), dtype=np.uint8)
-        args = ["--host", host, "--port", str(port)]
+        args = ["--host", host, "--port", str(port)] + (["--advertise-host", advertise] if advertise else [])
         if settings:
             args += ["--settings-json", json.dumps(settings)]
         self.client = WorkerClient(name, args=args)
@@ -71,7 +72,7 @@ class Agent:
         op = req["op"]
         if op == "start":
             return self.start(req["name"], req["blocks"], req["block_bytes"], req["host"], req["port"],
-                              req.get("seed", 0), req.get("settings"))
+                              req.get("seed", 0), req.get("settings"), req.get("advertise"))
         if op in ("store", "load"):
             keys = [bytes.fromhex(k) for k in req["keys"]]
             cmd = (api.StoreJob(req["job"], req["request"], keys, req["rows"]) if op == "store" else

@@ -138,7 +138,7 @@ class TwoHosts:
                 "--mount-proc", "sh", "-c", script]
 
     def start(self, blocks: int, block_bytes: int, port: int = 5710, settings: dict | None = None,
-              env: dict[str, str] | None = None) -> None:
+              env: dict[str, str] | None = None, bind_any: bool = False) -> None:
         try:
             if os.environ.get("P2PW_HOSTS_LOOPBACK"):  # to exercise the fallback where namespaces work
                 raise OSError("$P2PW_HOSTS_LOOPBACK is set")
@@ -155,7 +155,8 @@ class TwoHosts:
             host = Host(name, self.ips[i], self._argv(i), env, self.log_dir / f"host-{name}.log")
             self.hosts.append(host)
             out = host.call(op="start", name=f"host{name}", blocks=blocks, block_bytes=block_bytes,
-                            host=self.ips[i], port=port if self.mode == NETNS else 0, seed=i, settings=settings)
+                            host="0.0.0.0" if bind_any else self.ips[i], port=port if self.mode == NETNS else 0,
+                            seed=i, settings=settings, advertise=self.ips[i] if bind_any else None)
             host.address = out["address"]
             host.backend = out["backend"]
 
@@ -179,13 +180,13 @@ class TwoHosts:
 
 @contextlib.contextmanager
 def two_hosts(tag: str, log_dir: Path, blocks: int, block_bytes: int, settings: dict | None = None,
-              env: dict[str, str] | None = None):
+              env: dict[str, str] | None = None, bind_any: bool = False):
     """Two emulated hosts with agents started; both workers must exit 0 (unless the test took a death into
     account: ``hosts.died``) and nothing may be left behind."""
     hosts = TwoHosts(tag, log_dir)
     t0 = time.monotonic()
     try:
-        hosts.start(blocks, block_bytes, settings=settings, env=env)
+        hosts.start(blocks, block_bytes, settings=settings, env=env, bind_any=bind_any)
         print(f"emulated hosts: {hosts.mode}{' (' + hosts.why.strip() + ')' if hosts.why else ''}; "
               f"up in {time.monotonic() - t0:.1f} s; data backend {hosts.a.backend}")
         yield hosts

@@ -348,3 +348,25 @@ def test_every_router_row_before_up_answers_as_the_table_says(pair):
         finally:
             s.close()
             ctx.term()
+
+
+def test_a_wildcard_bind_advertises_a_dialable_address(monkeypatch):
+    """Peers cannot dial 0.0.0.0: the address a worker reports is advertise_host, else $POD_IP, else its name."""
+    from p2pworker.control.zmq_control import advertised
+
+    assert advertised("tcp://0.0.0.0:5710", "10.1.2.3") == "tcp://10.1.2.3:5710"
+    assert advertised("tcp://127.0.0.1:5710", None) == "tcp://127.0.0.1:5710"
+    assert advertised("tcp://0.0.0.0:5710", None, env={"POD_IP": "10.9.8.7"}) == "tcp://10.9.8.7:5710"
+    assert advertised("tcp://[::]:5710", None, env={"POD_IP": "fd00::7"}) == "tcp://[fd00::7]:5710"
+    assert not advertised("tcp://0.0.0.0:5710", None, env={}).startswith("tcp://0.0.0.0:")
+    # a real socket (bound on loopback only: a wildcard bind is tested inside the emulated hosts, test_hosts.py)
+    a = ZmqControl(cfg(host="127.0.0.1", advertise_host="localhost"), node_id="A")
+    b = ZmqControl(cfg(), node_id="B")
+    try:
+        assert a.address.startswith("tcp://localhost:") and a.bound_address.startswith("tcp://127.0.0.1:")
+        link = b.connect(a.address)
+        ev = pump({"a": a, "b": b}, lambda e: of(e, "b", LinkUp))
+        assert of(ev, "b", LinkUp)[0].link == link
+    finally:
+        a.close()
+        b.close()

@@ -129,3 +129,12 @@ def test_the_wire_cut_under_a_load_then_restored(tmp_path):
             hosts.died.add("b")
             outcome = f"consumer worker exited (code {out['worker_exit']}) after {took:.1f} s: reads did not settle"
         print(f"wire cut mid-transfer: {outcome}")
+
+
+def test_a_worker_bound_on_every_interface_advertises_its_wire_address(tmp_path):
+    """Bind 0.0.0.0, advertise the host's own address (--advertise-host): the consumer dials what was advertised."""
+    with two_hosts("w", tmp_path, blocks=64, block_bytes=BLOCK, bind_any=True) as hosts:
+        assert hosts.a.address.split(":")[0] == hosts.a.ip, hosts.a.address  # not 0.0.0.0
+        rep = transfer(hosts, "adv", list(range(8)), list(range(32, 40)), job=10)
+        assert rep["success"], rep
+        assert same_bytes(hosts, list(range(8)), list(range(32, 40)))
