@@ -2,6 +2,7 @@
 # Prefill/decode pair of `vllm serve` engines exchanging KV through p2pworker, plus the PD proxy.
 #
 #   MODEL=/path/to/model scripts/pd.sh start     # start prefill, decode, proxy; wait until healthy
+#   MODEL=... scripts/pd.sh start prefill         # only the roles named (prefill, decode, proxy): one machine each
 #   scripts/pd.sh status                         # which processes are up
 #   scripts/pd.sh stop                           # stop everything (bounded), report leftovers
 #   MODEL=... scripts/pd.sh restart-decode       # restart only the decode engine
@@ -17,6 +18,9 @@
 #   RUN_DIR [/tmp/p2pworker-pd]  logs, pid files, generated configs, the shared secret
 #   PLATFORM [cpu]       cpu | gpu: which offloading spec the engines load
 #   PREFILL_HTTP [8100], DECODE_HTTP [8200], PROXY_PORT [8000]: HTTP ports
+#   PREFILL_HOST, DECODE_HOST, PROXY_HOST [127.0.0.1]: where each role listens (engine HTTP and its worker's control
+#                        port) and where the others reach it; on two machines give each its own address, the same
+#                        values on both, and the same P2PWORKER_SECRET
 #   PREFILL_P2P [5710], DECODE_P2P [5810]: the workers' control ports (base; + DP index)
 #   CPU_BYTES [268435456]  size of each engine's CPU KV tier (/dev/shm)
 #   PREFILL_WORKER_METRICS, DECODE_WORKER_METRICS [0]: >0: that engine's p2pworker serves Prometheus metrics on
@@ -36,6 +40,9 @@ PROXY_PORT=${PROXY_PORT:-8000}
 PREFILL_P2P=${PREFILL_P2P:-5710}
 DECODE_P2P=${DECODE_P2P:-5810}
 CPU_BYTES=${CPU_BYTES:-268435456}
+PREFILL_HOST=${PREFILL_HOST:-127.0.0.1}
+DECODE_HOST=${DECODE_HOST:-127.0.0.1}
+PROXY_HOST=${PROXY_HOST:-127.0.0.1}
 PREFILL_WORKER_METRICS=${PREFILL_WORKER_METRICS:-0}
 DECODE_WORKER_METRICS=${DECODE_WORKER_METRICS:-0}
 HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-240}
@@ -49,10 +56,10 @@ alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
 kv_config() {  # role port engine_id -> the --kv-transfer-config JSON
   "$PY" - "$@" <<'EOF'
 import json, sys
-role, port, engine_id, platform, cpu_bytes, root, metrics = sys.argv[1:8]
+role, port, engine_id, platform, cpu_bytes, root, metrics, host = sys.argv[1:9]
 spec = ({"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "vllm_adapter.cpu_spec"}
         if platform == "cpu" else {"spec_name": "TieringOffloadingSpec"})
-tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": int(port),
+tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": host, "port": int(port),
         "worker_config": f"{root}/configs/{role}.toml"}
 if int(metrics):  # inline settings over the file: the worker's Prometheus endpoint
     tier["worker_settings"] = {"worker": {"metrics_port": int(metrics)}}
@@ -62,16 +69,16 @@ print(json.dumps({
 EOF
 }
 
-start_engine() {  # role http_port p2p_port extra_env worker_metrics_port
-  local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 engine_id cfg
+start_engine() {  # role http_port p2p_port extra_env worker_metrics_port host
+  local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 host=$6 engine_id cfg
   engine_id="p2pw-$role-$$"
-  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics")
+  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host")
   echo "$cfg" > "$RUN_DIR/$role.kv.json"
   echo "$engine_id" > "$RUN_DIR/$role.engine_id"
   # shellcheck disable=SC2086  # VLLM_ARGS and extra_env are word lists on purpose
   env HF_HUB_OFFLINE=1 P2PWORKER_SECRET="$P2PWORKER_SECRET" $extra_env \
     setsid "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "${SERVED_NAME:-$MODEL}" \
-      --host 127.0.0.1 --port "$http" --kv-transfer-config "$cfg" --shutdown-timeout 10 ${VLLM_ARGS:-} \
+      --host "$host" --port "$http" --kv-transfer-config "$cfg" --shutdown-timeout 10 ${VLLM_ARGS:-} \
       > "$RUN_DIR/$role.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/$role.pid"
 }
@@ -144,27 +151,49 @@ cmd_stop() {
   return $left
 }
 
-cmd_start() {
-  [ -n "${MODEL:-}" ] || die "set MODEL"
+cmd_start() {  # [role ...]: prefill, decode, proxy (default: all three, on this machine)
+  local roles=("$@") role ok
+  [ ${#roles[@]} -gt 0 ] || roles=(prefill decode proxy)
+  for role in "${roles[@]}"; do
+    case "$role" in prefill|decode|proxy) ;; *) echo "pd.sh: unknown role '$role' (prefill, decode, proxy)" >&2; exit 2 ;; esac
+  done
+  [ -n "${MODEL:-}" ] || [ "${roles[*]}" = proxy ] || die "set MODEL"
   [ -x "$PY" ] || die "no python in $VENV (run scripts/setup.sh --vllm)"
   mkdir -p "$RUN_DIR"
-  for role in prefill decode proxy; do
+  for role in "${roles[@]}"; do
     alive "$(pidof_role $role)" && die "$role already running (pid $(pidof_role $role)); scripts/pd.sh stop first"
   done
   if [ -z "${P2PWORKER_SECRET:-}" ]; then
+    # one machine: a secret of our own; roles spread over machines must share one, so it has to be given
+    [ ${#roles[@]} -eq 3 ] || die "set P2PWORKER_SECRET (the same on every machine) to start only: ${roles[*]}"
     [ -s "$RUN_DIR/secret" ] || (umask 077; "$PY" -c 'import secrets; print(secrets.token_hex(32))' > "$RUN_DIR/secret")
     P2PWORKER_SECRET=$(cat "$RUN_DIR/secret")
   fi
   export P2PWORKER_SECRET
-  start_engine prefill "$PREFILL_HTTP" "$PREFILL_P2P" "${PREFILL_ENV:-}" "$PREFILL_WORKER_METRICS"
-  start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}" "$DECODE_WORKER_METRICS"
-  setsid "$VENV/bin/p2pworker" proxy --port "$PROXY_PORT" --prefill "http://127.0.0.1:$PREFILL_HTTP" \
-    --decode "http://127.0.0.1:$DECODE_HTTP" --prefill-worker "127.0.0.1:$PREFILL_P2P" \
-    > "$RUN_DIR/proxy.log" 2>&1 < /dev/null &
-  echo $! > "$RUN_DIR/proxy.pid"
-  if wait_health prefill "http://127.0.0.1:$PREFILL_HTTP/health" && wait_health decode "http://127.0.0.1:$DECODE_HTTP/health" \
-     && wait_health proxy "http://127.0.0.1:$PROXY_PORT/health"; then
-    echo "pd.sh: up: proxy http://127.0.0.1:$PROXY_PORT (prefill :$PREFILL_HTTP, decode :$DECODE_HTTP; logs in $RUN_DIR)"
+  for role in "${roles[@]}"; do
+    case "$role" in
+      prefill) start_engine prefill "$PREFILL_HTTP" "$PREFILL_P2P" "${PREFILL_ENV:-}" "$PREFILL_WORKER_METRICS" \
+                 "$PREFILL_HOST" ;;
+      decode) start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}" "$DECODE_WORKER_METRICS" \
+                "$DECODE_HOST" ;;
+      proxy)
+        setsid "$VENV/bin/p2pworker" proxy --host "$PROXY_HOST" --port "$PROXY_PORT" \
+          --prefill "http://$PREFILL_HOST:$PREFILL_HTTP" --decode "http://$DECODE_HOST:$DECODE_HTTP" \
+          --prefill-worker "$PREFILL_HOST:$PREFILL_P2P" > "$RUN_DIR/proxy.log" 2>&1 < /dev/null &
+        echo $! > "$RUN_DIR/proxy.pid" ;;
+    esac
+  done
+  ok=1
+  for role in "${roles[@]}"; do
+    case "$role" in
+      prefill) wait_health prefill "http://$PREFILL_HOST:$PREFILL_HTTP/health" || { ok=0; break; } ;;
+      decode) wait_health decode "http://$DECODE_HOST:$DECODE_HTTP/health" || { ok=0; break; } ;;
+      proxy) wait_health proxy "http://$PROXY_HOST:$PROXY_PORT/health" || { ok=0; break; } ;;
+    esac
+  done
+  if [ $ok = 1 ]; then
+    echo "pd.sh: up: ${roles[*]} (prefill http://$PREFILL_HOST:$PREFILL_HTTP, decode http://$DECODE_HOST:$DECODE_HTTP," \
+      "proxy http://$PROXY_HOST:$PROXY_PORT; logs in $RUN_DIR)"
   else
     cmd_stop || true
     die "start failed (logs in $RUN_DIR)"
@@ -180,14 +209,14 @@ cmd_status() {
 }
 
 case "${1:-}" in
-  start) cmd_start ;;
+  start) shift; cmd_start "$@" ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   restart-decode)  # stop the decode engine and start it again (the prefill engine and proxy stay up)
     [ -n "${MODEL:-}" ] || die "set MODEL"
     export P2PWORKER_SECRET=${P2PWORKER_SECRET:-$(cat "$RUN_DIR/secret")}
     stop_role decode
-    start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}" "$DECODE_WORKER_METRICS"
-    wait_health decode "http://127.0.0.1:$DECODE_HTTP/health" ;;
+    start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}" "$DECODE_WORKER_METRICS" "$DECODE_HOST"
+    wait_health decode "http://$DECODE_HOST:$DECODE_HTTP/health" ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -79,7 +79,10 @@ class PD:
     def url(self, which: str) -> str:
         port = {"prefill": self.prefill_http, "decode": self.decode_http, "proxy": self.proxy_port,
                 "prefill-worker": self.prefill_worker_metrics, "decode-worker": self.decode_worker_metrics}[which]
-        return f"http://127.0.0.1:{port}"
+        host = self.env.get(f"{which.split('-')[0].upper()}_HOST", "127.0.0.1")
+        if which.endswith("-worker"):
+            host = "127.0.0.1"  # the workers' metrics endpoint binds metrics_host (default 127.0.0.1)
+        return f"http://{host}:{port}"
 
     def complete(self, which: str, prompt: str, max_tokens: int = 12, **extra) -> tuple[list[str], list[float]]:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
@@ -151,11 +154,17 @@ def tiny_model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running(pair: PD, on_stop=None):
+def running(pair: PD, on_stop=None, starts=(("start",),)):
     """`scripts/pd.sh start` ... `stop`; the stop must leave nothing behind and stop every engine in its bound.
-    ``on_stop(pair)`` runs after the stop, before the checks (reports)."""
-    p = pair.script("start")
-    assert p.returncode == 0, f"scripts/pd.sh start failed:\n{p.stdout}\n{p.stderr}"
+    ``starts``: the start invocations, e.g. one role at a time as on two machines.  ``on_stop(pair)`` runs after
+    the stop, before the checks (reports)."""
+    try:
+        for args in starts:
+            p = pair.script(*args)
+            assert p.returncode == 0, f"scripts/pd.sh {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"
+    except BaseException:
+        pair.script("stop", timeout_s=120)
+        raise
     try:
         yield pair
     finally:
@@ -177,5 +186,10 @@ def _write_report(pair: PD) -> None:
 
 @pytest.fixture(scope="session")
 def pd(tiny_model, tmp_path_factory):
-    with running(PD(tiny_model, str(tmp_path_factory.mktemp("pd-run"))), on_stop=_write_report) as pair:
+    """The main pair started as a two-machine deployment would be: `pd.sh start prefill`, then `pd.sh start decode
+    proxy`, with one shared secret, and the decode engine on its own loopback address (127.0.0.2: its HTTP port and
+    its worker's control port bind there, and the proxy reaches it there)."""
+    pair = PD(tiny_model, str(tmp_path_factory.mktemp("pd-run")))
+    pair.env.update({"DECODE_HOST": "127.0.0.2", "P2PWORKER_SECRET": "e2e-two-machines"})
+    with running(pair, on_stop=_write_report, starts=(("start", "prefill"), ("start", "decode", "proxy"))) as pair:
         yield pair

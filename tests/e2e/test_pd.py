@@ -8,15 +8,19 @@ The tests run in file order on one pair of engines (scripts/pd.sh start ... stop
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -205,3 +209,15 @@ def test_every_metric_the_dashboard_queries_is_exported(pd):
     names = sorted({n for n, _ in queried})
     print(f"dashboard: {len(dash['panels'])} panels, {len(queried)} queried series of {len(names)} metrics, all "
           f"exported: {names}")
+
+
+def test_each_role_listens_where_pd_sh_was_told(pd):
+    """The pair was started one role at a time with DECODE_HOST=127.0.0.2: the decode engine answers there (every
+    decode request of this module went there) and its worker's control port is bound and advertised there."""
+    (admin,) = glob.glob(f"/tmp/p2pworker-vllm-{pd.engine_id('decode')}*.admin")
+    res = subprocess.run([str(Path(sys.executable).with_name("p2pworker")), "inspect", "--json", "--admin", admin],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    (st,) = json.loads(res.stdout)
+    assert st["address"].startswith("tcp://127.0.0.2:"), st["address"]
+    assert pd.env["DECODE_HOST"] == "127.0.0.2" and pd.url("decode").startswith("http://127.0.0.2:")
