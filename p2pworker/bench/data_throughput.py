@@ -36,6 +36,17 @@ import msgspec
 import numpy as np
 
 
+def raw_read(agent, local_dl, local_idx, remote_dl, remote_idx) -> None:
+    """One plain NIXL READ of prepared rows, spun to completion: the baseline every benchmark compares with."""
+    h = agent.make_prepped_xfer("READ", local_dl, local_idx, remote_dl, remote_idx)
+    state = agent.transfer(h)
+    while state == "PROC":
+        state = agent.check_xfer_state(h)
+    agent.release_xfer_handle(h)
+    if state != "DONE":
+        raise RuntimeError(f"raw NIXL transfer ended {state}")
+
+
 def _producer(name: str, num_blocks: int, block_bytes: int, q_out, q_in) -> None:
     """The passive side: holds the rows the consumer reads; polls so both backends make progress."""
     from p2pworker.data.nixl_transport import NixlTransport
@@ -130,13 +141,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                 runs = len(coalesce(lr, rr))
 
                 def raw_once(li=li, ri=ri):
-                    h = raw.make_prepped_xfer("READ", local_dl, li, remote_dl, ri)
-                    state = raw.transfer(h)
-                    while state == "PROC":
-                        state = raw.check_xfer_state(h)
-                    raw.release_xfer_handle(h)
-                    if state != "DONE":
-                        raise RuntimeError(f"raw NIXL transfer ended {state}")
+                    raw_read(raw, local_dl, li, remote_dl, ri)
 
                 def transport_once(tr, lr=lr, rr=rr):
                     def once():
