@@ -120,7 +120,6 @@ class Worker:
         self._retry: dict[str, tuple[float, float, str]] = {}  # address -> (not before, next backoff, why)
         self._failed_log = [0.0, 0]  # [second started, failed jobs in it]
         self._link_addr: dict[str, str] = {}  # outbound link id -> the address key it was opened for
-        self._opened: set[str] = set()  # link ids this worker opened (outbound), until their session is retired
         self._was_up: set[str] = set()  # outbound links that were up once (a reconnect is not a first contact)
         # Name resolution runs off the event loop (a slow resolver must not stall heartbeats): address -> the
         # lookup in flight and the commands waiting for it.
@@ -377,7 +376,6 @@ class Worker:
                 elif link is not None:
                     self.out_links.pop(_addr_key(cmd.address), None)
                     self._link_addr.pop(link, None)
-                    self._opened.discard(link)  # no session on it: nothing will retire it
                     self._was_up.discard(link)
                     self.ctl.disconnect(link)
             case api.AttachRegion():
@@ -432,8 +430,7 @@ class Worker:
         )
         log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
                  region.num_blocks, region.block_bytes, ctl.address, data.backend, self.fingerprint.digest)
-        self._emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest,
-                                     self.admin.endpoint))
+        self._emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint))
 
     # ------------------------------------------------------------ sessions
     def _session_for(self, address: str, cmd: Any = None) -> tuple[Session | None, str]:
@@ -452,8 +449,6 @@ class Worker:
                 why = lk.reason if lk is not None else "link gone"
                 self.out_links.pop(key, None)
                 self._link_addr.pop(link, None)
-                if link not in self.sessions:  # else _retire forgets it with its session
-                    self._opened.discard(link)
                 self._was_up.discard(link)
                 self.ctl.disconnect(link)
                 s = self.sessions.get(link)
@@ -481,7 +476,6 @@ class Worker:
                 return None, f"peer {address} unreachable: {e}"
             self.out_links[key] = link
             self._link_addr[link] = key
-            self._opened.add(link)
         s = self.sessions.get(link)
         if s is None:
             s = self.sessions[link] = self._new_session(link, None)
@@ -595,18 +589,17 @@ class Worker:
         if self.sessions.get(link) is s:
             del self.sessions[link]
             forgotten = True
-            # ours (outbound) for as long as we keep the link: it reconnects under the same id after a peer loss
-            out = link in self._opened
+            # the transport's record says who dialled (an outbound link keeps its id across reconnects); a link it
+            # forgot already is nobody's to keep (disconnecting it again below is a no-op)
+            lk = self.ctl.link(link) if self.ctl is not None else None
+            out = lk is not None and lk.outbound
             key = self._link_addr.get(link)  # the address as the adapter gave it (a name stays a name)
-            if out and key is None:
-                self._opened.discard(link)  # the link was already dropped (its session outlived it)
             if out and key is not None:
                 if self.out_links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
                     # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                     # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                     del self.out_links[key]
                     del self._link_addr[link]
-                    self._opened.discard(link)
                     self._was_up.discard(link)
                     self.ctl.disconnect(link)
                     self._backoff(key, s.close_reason)

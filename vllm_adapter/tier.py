@@ -95,13 +95,20 @@ M_RESTARTS = "vllm:kv_offload_p2pworker_worker_restarts"
 M_IN_FLIGHT = "vllm:kv_offload_p2pworker_jobs_in_flight"
 # Every series also carries `worker`: the worker's name (vllm-<engine id>), the value of the `engine` label on
 # that worker's own series, so the two join (vLLM's own `engine` label is the engine index, 0 on every instance).
-TIER_METRICS: dict[str, tuple[_Kind, tuple[str, ...], str]] = {
-    M_LOADS: (_Kind.COUNTER, ("worker", "outcome"), "Load jobs (peer -> this engine's CPU tier) finished, by outcome"),
-    M_STORES: (_Kind.COUNTER, ("worker", "outcome"), "Store jobs (rows offered to peers) finished, by outcome"),
-    M_DEATHS: (_Kind.COUNTER, ("worker",), "p2pworker processes of this engine that died or were killed as wedged"),
-    M_RESTARTS: (_Kind.COUNTER, ("worker",),
-                 "Attempts to start a new p2pworker after one died (each counts, failed or not)"),
-    M_IN_FLIGHT: (_Kind.GAUGE, ("worker",), "Jobs submitted to the worker and not yet reported"),
+@dataclass(frozen=True)
+class _Metric:
+    kind: _Kind
+    labels: tuple[str, ...]
+    doc: str
+
+
+TIER_METRICS: dict[str, _Metric] = {
+    M_LOADS: _Metric(_Kind.COUNTER, ("worker", "outcome"), "Load jobs (peer -> this engine's CPU tier), by outcome"),
+    M_STORES: _Metric(_Kind.COUNTER, ("worker", "outcome"), "Store jobs (rows offered to peers), by outcome"),
+    M_DEATHS: _Metric(_Kind.COUNTER, ("worker",), "p2pworker processes of this engine that died or were killed"),
+    M_RESTARTS: _Metric(_Kind.COUNTER, ("worker",),
+                        "Attempts to start a new p2pworker after one died (each counts, failed or not)"),
+    M_IN_FLIGHT: _Metric(_Kind.GAUGE, ("worker",), "Jobs submitted to the worker and not yet reported"),
 }
 
 
@@ -596,9 +603,9 @@ class P2PWorkerTier(SecondaryTierManager):
         own engine/model labels and serves them on the engine's /metrics (counters with ``_total``)."""
         from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 
-        return {name: (OffloadingCounterMetadata if kind is _Kind.COUNTER else OffloadingGaugeMetadata)(
-                    documentation=doc, labelnames=labels)
-                for name, (kind, labels, doc) in TIER_METRICS.items()}
+        return {name: (OffloadingCounterMetadata if m.kind is _Kind.COUNTER else OffloadingGaugeMetadata)(
+                    documentation=m.doc, labelnames=m.labels)
+                for name, m in TIER_METRICS.items()}
 
     def get_stats(self):
         """vLLM's metric hook: what changed since the last call (vLLM sums counter increments and keeps the last
@@ -612,7 +619,7 @@ class P2PWorkerTier(SecondaryTierManager):
 
         stats = OffloadingConnectorStats()
         for (name, labels), value in changed.items():
-            if TIER_METRICS[name][0] is _Kind.COUNTER:
+            if TIER_METRICS[name].kind is _Kind.COUNTER:
                 stats.increase_counter(name, value - self._reported.get((name, labels), 0), labels)
             else:
                 stats.set_gauge(name, value, labels)
