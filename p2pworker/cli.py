@@ -10,6 +10,7 @@ import time
 import click
 
 from p2pworker import __version__
+from p2pworker.router.pool import Policy
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -237,25 +238,45 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the proxy listens on.")
+@click.option("--prefill", "prefill", multiple=True, required=True, metavar="URL[,worker=HOST:PORT]",
+              help="A prefill engine (repeat for several).  worker=: where its p2pworker serves the KV (its tier's "
+                   "host and port + DP index); default: the URL's host, port 5710.")
+@click.option("--decode", "decode", multiple=True, required=True, metavar="URL", help="A decode engine (repeat).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the router listens on.")
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--prefill", required=True, help="Prefill engine URL, e.g. http://127.0.0.1:8100")
-@click.option("--decode", required=True, help="Decode engine URL, e.g. http://127.0.0.1:8200")
-@click.option("--prefill-worker", required=True,
-              help="host:port of the prefill engine's p2pworker (its tier's host, port + DP index).")
-def proxy(host: str, port: int, prefill: str, decode: str, prefill_worker: str) -> None:
-    """PD proxy: OpenAI-compatible /v1/completions and /v1/chat/completions.
+@click.option("--policy", type=click.Choice([p.value for p in Policy]), default=Policy.LEAST_IN_FLIGHT.value,
+              show_default=True, help="How an instance is picked among those up.")
+@click.option("--connect-timeout", type=float, default=5.0, show_default=True,
+              help="Seconds to connect to an instance (then the next instance is tried).")
+@click.option("--read-timeout", type=float, default=600.0, show_default=True,
+              help="Longest silence from an instance, in seconds, before its call fails (a long prefill sends "
+                   "nothing until it ends).")
+@click.option("--health-interval", type=float, default=5.0, show_default=True,
+              help="Seconds between health rounds (each instance's /health, each prefill worker's port).")
+@click.option("--health-timeout", type=float, default=2.0, show_default=True)
+@click.option("--max-body-mib", type=int, default=16, show_default=True, help="Largest request body accepted.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", show_default=True,
+              help="INFO includes one access-log line per request.")
+def router(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, policy: str,
+           connect_timeout: float, read_timeout: float, health_interval: float, health_timeout: float,
+           max_body_mib: int, log_level: str) -> None:
+    """PD router: OpenAI-compatible /v1/completions and /v1/chat/completions, /v1/models, /health, /metrics.
 
-    Each request is prefilled on PREFILL (max_tokens=1, remote_decoder), then
-    answered by DECODE (remote_prefiller -> PREFILL_WORKER), streamed or not.
+    Each request is prefilled on one PREFILL instance (max_tokens=1, remote_decoder), then answered by one DECODE
+    instance (remote_prefiller -> that prefill instance's worker), streamed or not.  A failed prefill still
+    answers (decode recomputes).  Instances that fail are taken out until their health round passes.
     """
     import logging
 
-    from p2pworker.proxy import serve
+    from p2pworker.router.server import RouterConfig, serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve(host, port, prefill, decode, prefill_worker)
+        cfg = RouterConfig(prefill=prefill, decode=decode, host=host, port=port, policy=Policy(policy),
+                           connect_timeout_s=connect_timeout, read_timeout_s=read_timeout,
+                           health_interval_s=health_interval, health_timeout_s=health_timeout,
+                           max_body_bytes=max_body_mib << 20)
+        serve(cfg)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:

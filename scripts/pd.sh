@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Prefill/decode pair of `vllm serve` engines exchanging KV through p2pworker, plus the PD proxy.
+# Prefill/decode pair of `vllm serve` engines exchanging KV through p2pworker, plus the PD router.
 #
-#   MODEL=/path/to/model scripts/pd.sh start     # start prefill, decode, proxy; wait until healthy
-#   MODEL=... scripts/pd.sh start prefill         # only the roles named (prefill, decode, proxy): one machine each
+#   MODEL=/path/to/model scripts/pd.sh start     # start prefill, decode, router; wait until healthy
+#   MODEL=... scripts/pd.sh start prefill         # only the roles named (prefill, decode, router): one machine each
 #   scripts/pd.sh status                         # which processes are up
 #   scripts/pd.sh stop                           # stop everything (bounded), report leftovers
 #   MODEL=... scripts/pd.sh restart-decode       # restart only the decode engine
@@ -17,8 +17,8 @@
 #   VENV [.venv-vllmcpu032]  virtualenv with vLLM and this project installed
 #   RUN_DIR [/tmp/p2pworker-pd]  logs, pid files, generated configs, the shared secret
 #   PLATFORM [cpu]       cpu | gpu: which offloading spec the engines load
-#   PREFILL_HTTP [8100], DECODE_HTTP [8200], PROXY_PORT [8000]: HTTP ports
-#   PREFILL_HOST, DECODE_HOST, PROXY_HOST [127.0.0.1]: where each role listens (engine HTTP and its worker's control
+#   PREFILL_HTTP [8100], DECODE_HTTP [8200], ROUTER_PORT [8000]: HTTP ports
+#   PREFILL_HOST, DECODE_HOST, ROUTER_HOST [127.0.0.1]: where each role listens (engine HTTP and its worker's control
 #                        port) and where the others reach it; on two machines give each its own address, the same
 #                        values on both, and the same P2PWORKER_SECRET
 #   PREFILL_P2P [5710], DECODE_P2P [5810]: the workers' control ports (base; + DP index)
@@ -36,13 +36,13 @@ RUN_DIR=${RUN_DIR:-/tmp/p2pworker-pd}
 PLATFORM=${PLATFORM:-cpu}
 PREFILL_HTTP=${PREFILL_HTTP:-8100}
 DECODE_HTTP=${DECODE_HTTP:-8200}
-PROXY_PORT=${PROXY_PORT:-8000}
+ROUTER_PORT=${ROUTER_PORT:-8000}
 PREFILL_P2P=${PREFILL_P2P:-5710}
 DECODE_P2P=${DECODE_P2P:-5810}
 CPU_BYTES=${CPU_BYTES:-268435456}
 PREFILL_HOST=${PREFILL_HOST:-127.0.0.1}
 DECODE_HOST=${DECODE_HOST:-127.0.0.1}
-PROXY_HOST=${PROXY_HOST:-127.0.0.1}
+ROUTER_HOST=${ROUTER_HOST:-127.0.0.1}
 PREFILL_WORKER_METRICS=${PREFILL_WORKER_METRICS:-0}
 DECODE_WORKER_METRICS=${DECODE_WORKER_METRICS:-0}
 HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-240}
@@ -128,7 +128,7 @@ stop_role() {  # TERM the leader (vLLM shuts its engine core and our worker down
 
 cmd_stop() {
   [ -d "$RUN_DIR" ] || return 0
-  stop_role proxy
+  stop_role router
   stop_role decode &
   stop_role prefill &
   wait
@@ -151,13 +151,13 @@ cmd_stop() {
   return $left
 }
 
-cmd_start() {  # [role ...]: prefill, decode, proxy (default: all three, on this machine)
+cmd_start() {  # [role ...]: prefill, decode, router (default: all three, on this machine)
   local roles=("$@") role ok
-  [ ${#roles[@]} -gt 0 ] || roles=(prefill decode proxy)
+  [ ${#roles[@]} -gt 0 ] || roles=(prefill decode router)
   for role in "${roles[@]}"; do
-    case "$role" in prefill|decode|proxy) ;; *) echo "pd.sh: unknown role '$role' (prefill, decode, proxy)" >&2; exit 2 ;; esac
+    case "$role" in prefill|decode|router) ;; *) echo "pd.sh: unknown role '$role' (prefill, decode, router)" >&2; exit 2 ;; esac
   done
-  [ -n "${MODEL:-}" ] || [ "${roles[*]}" = proxy ] || die "set MODEL"
+  [ -n "${MODEL:-}" ] || [ "${roles[*]}" = router ] || die "set MODEL"
   [ -x "$PY" ] || die "no python in $VENV (run scripts/setup.sh --vllm)"
   mkdir -p "$RUN_DIR"
   for role in "${roles[@]}"; do
@@ -176,11 +176,11 @@ cmd_start() {  # [role ...]: prefill, decode, proxy (default: all three, on this
                  "$PREFILL_HOST" ;;
       decode) start_engine decode "$DECODE_HTTP" "$DECODE_P2P" "${DECODE_ENV:-}" "$DECODE_WORKER_METRICS" \
                 "$DECODE_HOST" ;;
-      proxy)
-        setsid "$VENV/bin/p2pworker" proxy --host "$PROXY_HOST" --port "$PROXY_PORT" \
-          --prefill "http://$PREFILL_HOST:$PREFILL_HTTP" --decode "http://$DECODE_HOST:$DECODE_HTTP" \
-          --prefill-worker "$PREFILL_HOST:$PREFILL_P2P" > "$RUN_DIR/proxy.log" 2>&1 < /dev/null &
-        echo $! > "$RUN_DIR/proxy.pid" ;;
+      router)
+        setsid "$VENV/bin/p2pworker" router --host "$ROUTER_HOST" --port "$ROUTER_PORT" \
+          --prefill "http://$PREFILL_HOST:$PREFILL_HTTP,worker=$PREFILL_HOST:$PREFILL_P2P" \
+          --decode "http://$DECODE_HOST:$DECODE_HTTP" > "$RUN_DIR/router.log" 2>&1 < /dev/null &
+        echo $! > "$RUN_DIR/router.pid" ;;
     esac
   done
   ok=1
@@ -188,12 +188,12 @@ cmd_start() {  # [role ...]: prefill, decode, proxy (default: all three, on this
     case "$role" in
       prefill) wait_health prefill "http://$PREFILL_HOST:$PREFILL_HTTP/health" || { ok=0; break; } ;;
       decode) wait_health decode "http://$DECODE_HOST:$DECODE_HTTP/health" || { ok=0; break; } ;;
-      proxy) wait_health proxy "http://$PROXY_HOST:$PROXY_PORT/health" || { ok=0; break; } ;;
+      router) wait_health router "http://$ROUTER_HOST:$ROUTER_PORT/health" || { ok=0; break; } ;;
     esac
   done
   if [ $ok = 1 ]; then
     echo "pd.sh: up: ${roles[*]} (prefill http://$PREFILL_HOST:$PREFILL_HTTP, decode http://$DECODE_HOST:$DECODE_HTTP," \
-      "proxy http://$PROXY_HOST:$PROXY_PORT; logs in $RUN_DIR)"
+      "router http://$ROUTER_HOST:$ROUTER_PORT; logs in $RUN_DIR)"
   else
     cmd_stop || true
     die "start failed (logs in $RUN_DIR)"
@@ -202,7 +202,7 @@ cmd_start() {  # [role ...]: prefill, decode, proxy (default: all three, on this
 
 cmd_status() {
   local rc=0
-  for role in prefill decode proxy; do
+  for role in prefill decode router; do
     if alive "$(pidof_role $role)"; then echo "$role: up (pid $(pidof_role $role))"; else echo "$role: down"; rc=1; fi
   done
   return $rc
@@ -212,7 +212,7 @@ case "${1:-}" in
   start) shift; cmd_start "$@" ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
-  restart-decode)  # stop the decode engine and start it again (the prefill engine and proxy stay up)
+  restart-decode)  # stop the decode engine and start it again (the prefill engine and router stay up)
     [ -n "${MODEL:-}" ] || die "set MODEL"
     export P2PWORKER_SECRET=${P2PWORKER_SECRET:-$(cat "$RUN_DIR/secret")}
     stop_role decode

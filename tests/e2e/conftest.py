@@ -51,12 +51,12 @@ class PD:
 
     def __init__(self, model: str, run_dir: str):
         self.model, self.run_dir = model, run_dir
-        (self.prefill_http, self.decode_http, self.proxy_port, self.prefill_p2p, self.decode_p2p,
+        (self.prefill_http, self.decode_http, self.router_port, self.prefill_p2p, self.decode_p2p,
          self.prefill_worker_metrics, self.decode_worker_metrics) = free_ports(7)
         self.env = {
             **os.environ, "MODEL": model, "SERVED_NAME": "tiny", "RUN_DIR": run_dir, "VENV": sys.prefix,
             "PREFILL_HTTP": str(self.prefill_http), "DECODE_HTTP": str(self.decode_http),
-            "PROXY_PORT": str(self.proxy_port), "PREFILL_P2P": str(self.prefill_p2p),
+            "ROUTER_PORT": str(self.router_port), "PREFILL_P2P": str(self.prefill_p2p),
             "DECODE_P2P": str(self.decode_p2p), "PREFILL_WORKER_METRICS": str(self.prefill_worker_metrics),
             "DECODE_WORKER_METRICS": str(self.decode_worker_metrics), "CPU_BYTES": str(64 << 20),
             "HEALTH_TIMEOUT_S": "300",
@@ -77,7 +77,7 @@ class PD:
 
     # ---------------------------------------------------------------- requests
     def url(self, which: str) -> str:
-        port = {"prefill": self.prefill_http, "decode": self.decode_http, "proxy": self.proxy_port,
+        port = {"prefill": self.prefill_http, "decode": self.decode_http, "router": self.router_port,
                 "prefill-worker": self.prefill_worker_metrics, "decode-worker": self.decode_worker_metrics}[which]
         host = self.env.get(f"{which.split('-')[0].upper()}_HOST", "127.0.0.1")
         if which.endswith("-worker"):
@@ -187,9 +187,9 @@ def _write_report(pair: PD) -> None:
 @pytest.fixture(scope="session")
 def pd(tiny_model, tmp_path_factory):
     """The main pair started as a two-machine deployment would be: `pd.sh start prefill`, then `pd.sh start decode
-    proxy`, with one shared secret, and the decode engine on its own loopback address (127.0.0.2: its HTTP port and
-    its worker's control port bind there, and the proxy reaches it there)."""
+    router`, with one shared secret, and the decode engine on its own loopback address (127.0.0.2: its HTTP port and
+    its worker's control port bind there, and the router reaches it there)."""
     pair = PD(tiny_model, str(tmp_path_factory.mktemp("pd-run")))
     pair.env.update({"DECODE_HOST": "127.0.0.2", "P2PWORKER_SECRET": "e2e-two-machines"})
-    with running(pair, on_stop=_write_report, starts=(("start", "prefill"), ("start", "decode", "proxy"))) as pair:
+    with running(pair, on_stop=_write_report, starts=(("start", "prefill"), ("start", "decode", "router"))) as pair:
         yield pair

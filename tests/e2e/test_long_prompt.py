@@ -57,7 +57,7 @@ def test_a_1625_chunk_prompt_through_pd_equals_the_single_engine(long_pd):
     text = prompt(N_TOKENS, seed=7000)
     want = baseline(pd, text)
     before = pd.p2p_cached()
-    got = pd.complete("proxy", text)
+    got = pd.complete("router", text)
     cached = pd.p2p_cached() - before
     assert_same(got, want, f"{N_TOKENS}-token prompt")
     chunks = cached // BLOCK

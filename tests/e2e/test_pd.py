@@ -1,4 +1,4 @@
-"""End to end: two real `vllm serve` engines (vLLM's CPU backend), the PD proxy, two p2pworkers, real NIXL.
+"""End to end: two real `vllm serve` engines (vLLM's CPU backend), the PD router, two p2pworkers, real NIXL.
 
 Every prompt uses its own seed: prompts from one seed share a prefix, and an engine's own prefix
 cache would otherwise answer instead of the P2P tier.  The baseline is the prefill engine answering
@@ -48,17 +48,17 @@ def assert_same(got, want, what: str) -> None:
 
 
 def pd_request(pd, n: int, seed: int):
-    """One request through the proxy; returns (output, baseline, P2P-cached tokens on decode)."""
+    """One request through the router; returns (output, baseline, P2P-cached tokens on decode)."""
     text = prompt(n, seed)
     want = baseline(pd, text)
     before = pd.p2p_cached()
-    got = pd.complete("proxy", text)
+    got = pd.complete("router", text)
     return got, want, pd.p2p_cached() - before
 
 
 @pytest.mark.parametrize("n", [300, 520, 900, 1500])
 def test_pd_output_equals_single_engine_and_comes_from_p2p(pd, n):
-    """Through the proxy, decode's greedy tokens and logprobs equal one engine answering alone, and the
+    """Through the router, decode's greedy tokens and logprobs equal one engine answering alone, and the
     decode engine's own metrics count every full prompt block as served by the P2P tier."""
     got, want, cached = pd_request(pd, n, seed=1000 + n)
     assert_same(got, want, f"{n}-token prompt")
@@ -68,9 +68,9 @@ def test_pd_output_equals_single_engine_and_comes_from_p2p(pd, n):
 
 def test_ttft_transfer_vs_recompute(pd):
     """For a long prompt the decode engine's time to first token, with the KV fetched from the prefill
-    engine's worker vs recomputing it, measured side by side (medians of 3); also the whole proxy path."""
+    engine's worker vs recomputing it, measured side by side (medians of 3); also the whole router path."""
     n = MAX_MODEL_LEN - 64
-    with_transfer, recompute, proxy = [], [], []
+    with_transfer, recompute, router = [], [], []
     for i in range(3):
         text = prompt(n, seed=2000 + i)
         rid = f"ttft-{uuid.uuid4().hex}"
@@ -80,9 +80,9 @@ def test_ttft_transfer_vs_recompute(pd):
             "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}}))
         assert pd.p2p_cached() - before == expected_p2p_tokens(n)
         recompute.append(pd.ttft("decode", prompt(n, seed=2100 + i)))
-        proxy.append(pd.ttft("proxy", prompt(n, seed=2200 + i)))
+        router.append(pd.ttft("router", prompt(n, seed=2200 + i)))
     pd.report["ttft_s"] = {"prompt_tokens": n, "decode_with_transfer": with_transfer, "decode_recompute": recompute,
-                           "proxy_prefill_transfer_decode": proxy,
+                           "router_prefill_transfer_decode": router,
                            "median_ratio_transfer_over_recompute": round(
                                statistics.median(with_transfer) / statistics.median(recompute), 3)}
     print("\nTTFT", pd.report["ttft_s"])
@@ -122,7 +122,7 @@ def test_prefill_worker_killed_mid_transfer(pd):
         assert time.monotonic() < deadline, "the prefill tier did not restart its worker"
         time.sleep(0.2)
     took = []
-    for attempt in range(20):  # the restarted worker needs a moment; the proxy path recomputes meanwhile
+    for attempt in range(20):  # the restarted worker needs a moment; the router path recomputes meanwhile
         t0 = time.monotonic()
         got, want, cached = pd_request(pd, 640, seed=3100 + attempt)
         took.append(round(time.monotonic() - t0, 2))
@@ -144,7 +144,7 @@ def test_decode_restart_mid_run(pd):
 
     def inflight():
         try:
-            result["out"] = pd.complete("proxy", prompt(1800, seed=4000), max_tokens=200)
+            result["out"] = pd.complete("router", prompt(1800, seed=4000), max_tokens=200)
         except (urllib.error.HTTPError, urllib.error.URLError, ConnectionError) as e:
             result["err"] = e
 

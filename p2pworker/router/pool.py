@@ -1,0 +1,119 @@
+"""Which upstream instance gets the next request (sans-IO: no sockets, no clock of its own).
+
+Each instance (a prefill or decode `vllm serve`) is UP or DOWN.  A request that fails on an instance for a reason
+that is the instance's (refused connection, timeout, reset, HTTP 5xx) takes it DOWN at once; only the health loop
+brings it back (its `/health` answered 200, and for a prefill instance its p2pworker's control port accepted a TCP
+connection).  A client's mistake (HTTP 4xx) says nothing about the instance.  The moves are the table `MOVES`; the
+tests read it.
+
+Picking: the UP instance with the fewest requests in flight; ties go round-robin, so an idle pool spreads requests
+instead of sending every one to the first instance.  With no instance UP the pool still returns one (the DOWN
+instance whose last failure is oldest): a request that fails fast on a dead instance costs little, and one that
+succeeds brings it back before the next health round.
+"""
+
+from __future__ import annotations
+
+import enum
+import urllib.parse
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class InstanceState(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+
+
+class Outcome(enum.Enum):
+    OK = "ok"  # a request answered (any status below 500) or a health round passed
+    FAILED = "failed"  # refused, reset, timed out, HTTP 5xx, or a health round failed
+
+
+MOVES: dict[tuple[InstanceState, Outcome], InstanceState] = {
+    (InstanceState.UP, Outcome.OK): InstanceState.UP,
+    (InstanceState.UP, Outcome.FAILED): InstanceState.DOWN,
+    (InstanceState.DOWN, Outcome.OK): InstanceState.UP,
+    (InstanceState.DOWN, Outcome.FAILED): InstanceState.DOWN,
+}
+
+
+class Policy(enum.Enum):
+    LEAST_IN_FLIGHT = "least-in-flight"
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclass
+class Instance:
+    role: Role
+    url: str  # http://host:port, no trailing slash
+    worker: tuple[str, int] | None = None  # prefill only: where decode's p2pworker fetches this engine's KV
+    state: InstanceState = InstanceState.UP  # optimistic until the first health round says otherwise
+    in_flight: int = 0
+    last_error: str = ""
+    failed_at: float = 0.0  # caller's clock; orders DOWN instances for the no-one-is-up fallback
+    worker_reachable: bool | None = None  # prefill only: last health round's TCP check of the worker port
+
+    @property
+    def name(self) -> str:
+        """The instance's label in logs and metrics: host:port of its URL."""
+        return urllib.parse.urlsplit(self.url).netloc
+
+    def record(self, outcome: Outcome, now: float, error: str = "") -> InstanceState:
+        """Apply one outcome; returns the previous state."""
+        before = self.state
+        self.state = MOVES[(before, outcome)]
+        if outcome is Outcome.FAILED:
+            self.last_error, self.failed_at = error, now
+        return before
+
+
+@dataclass
+class Pool:
+    instances: list[Instance]
+    policy: Policy = Policy.LEAST_IN_FLIGHT
+    _next: int = field(default=0, repr=False)  # round-robin cursor
+
+    def pick(self, exclude: tuple[Instance, ...] = ()) -> Instance | None:
+        """The instance for the next request, or None when every instance is excluded."""
+        n = len(self.instances)
+        start, self._next = self._next, (self._next + 1) % max(n, 1)
+        order = [self.instances[(start + i) % n] for i in range(n)]  # rotated: ties go round-robin
+        candidates = [i for i in order if i not in exclude]
+        if not candidates:
+            return None
+        up = [i for i in candidates if i.state is InstanceState.UP]
+        if not up:
+            return min(candidates, key=lambda i: i.failed_at)
+        if self.policy is Policy.ROUND_ROBIN:
+            return up[0]
+        return min(up, key=lambda i: i.in_flight)  # min keeps the first of equals: the rotation breaks ties
+
+    def up(self) -> list[Instance]:
+        return [i for i in self.instances if i.state is InstanceState.UP]
+
+
+def parse_instance(role: Role, spec: str, default_worker_port: int) -> Instance:
+    """`URL` or (prefill) `URL,worker=HOST:PORT`; a prefill instance without `worker=` is served by a p2pworker on
+    its URL's host at `default_worker_port`."""
+    url, *opts = [p.strip() for p in spec.split(",")]
+    u = urllib.parse.urlsplit(url)
+    if u.scheme != "http" or not u.hostname or u.path not in ("", "/") or u.query:
+        raise ValueError(f"{role.value} instance must be http://host:port, got {url!r}")
+    worker = None
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key != "worker" or role is not Role.PREFILL:
+            allowed = "worker=HOST:PORT" if role is Role.PREFILL else "no options"
+            raise ValueError(f"unknown option {opt!r} in {spec!r} ({allowed} allowed)")
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"worker must be HOST:PORT, got {value!r} in {spec!r}")
+        worker = (host.strip("[]"), int(port))
+    if role is Role.PREFILL and worker is None:
+        worker = (u.hostname, default_worker_port)
+    return Instance(role=role, url=f"http://{u.netloc}", worker=worker)

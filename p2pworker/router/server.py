@@ -1,0 +1,453 @@
+"""The PD router: OpenAI-compatible HTTP in front of several prefill and several decode `vllm serve` instances.
+
+For each completion request: a fresh ``kv_request_id``; the request goes to a prefill instance with
+``max_tokens=1`` and ``kv_transfer_params.remote_decoder`` (its KV is parked in that engine's p2pworker), then the
+original request goes to a decode instance with ``kv_transfer_params.remote_prefiller`` naming that prefill
+instance's worker, and the decode instance's answer (streamed or not) is relayed to the client as it comes.  When
+the prefill leg fails the request still goes to decode, without transfer params: decode recomputes the prompt.
+
+Upstream connections are pooled (one aiohttp session).  Every client header is forwarded except hop-by-hop ones
+(RFC 9110 7.6.1, plus those the client's ``Connection`` header names), so ``Authorization`` (``vllm serve
+--api-key``) and ``X-Request-Id`` reach both engines; a request without ``X-Request-Id`` gets one, and the log
+line and both engines see the same id.  A client that disconnects cancels its handler (aiohttp's
+``handler_cancellation``), which closes the upstream connections it holds, and vLLM aborts a request whose
+connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from p2pworker.control.base import DEFAULT_PORT
+from p2pworker.router.pool import Instance, InstanceState, Outcome, Policy, Pool, Role, parse_instance
+
+log = logging.getLogger("p2pworker.router")
+access_log = logging.getLogger("p2pworker.router.access")
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "trailers", "transfer-encoding", "upgrade", "proxy-connection"})
+# the body is re-encoded (its length changes) and the upstream is another host
+NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length"}
+# aiohttp frames the relayed body itself (chunked) and writes its own Date and Server
+NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "date", "server"}
+
+
+class Reason(enum.Enum):
+    """Why an upstream call failed; the label of the failure counters."""
+
+    UNREACHABLE = "unreachable"  # no connection: nothing was sent, another instance may take the request
+    TIMEOUT = "timeout"  # connect or read timeout
+    DISCONNECTED = "disconnected"  # the connection broke after the request was sent
+    HTTP_5XX = "http_5xx"
+    HTTP_4XX = "http_4xx"  # the request's fault, not the instance's (prefill leg only: decode's 4xx is relayed)
+
+
+class UpstreamError(Exception):
+    def __init__(self, reason: Reason, detail: str):
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def _classify(e: BaseException) -> UpstreamError:
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return UpstreamError(Reason.UNREACHABLE, str(e))
+    if isinstance(e, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
+        return UpstreamError(Reason.TIMEOUT, str(e) or type(e).__name__)
+    return UpstreamError(Reason.DISCONNECTED, str(e) or type(e).__name__)
+
+
+def forwarded(headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """Headers to pass on: all but `drop` and the ones the `Connection` header lists (hop-by-hop by declaration)."""
+    listed = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in drop and k.lower() not in listed:
+            out.add(k, v)
+    return out
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...]  # URL or URL,worker=HOST:PORT
+    decode: tuple[str, ...]  # URL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: Policy = Policy.LEAST_IN_FLIGHT
+    connect_timeout_s: float = 5.0  # TCP connect to an instance
+    read_timeout_s: float = 600.0  # longest wait for the next bytes of an answer (a long prefill sends nothing)
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0  # one instance's /health, one worker's TCP connect
+    max_body_bytes: int = 16 << 20
+    default_worker_port: int = DEFAULT_PORT
+    max_connections: int = 1024  # pooled upstream connections, all instances together
+    shutdown_timeout_s: float = 10.0  # on SIGTERM: requests in flight get this long to finish
+
+
+class RouterMetrics:
+    """Prometheus series of one router (its own registry: a test may run several routers in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "p2pworker_router_"
+        self.requests = Counter(p + "requests", "Client requests answered, by route and HTTP status",
+                                ["route", "code"], registry=r)
+        self.prefill_failures = Counter(p + "prefill_failures", "Prefill legs that failed (decode then recomputes)",
+                                        ["instance", "reason"], registry=r)
+        self.upstream_errors = Counter(p + "upstream_errors", "Failed upstream calls, prefill and decode",
+                                       ["role", "instance", "reason"], registry=r)
+        self.latency = Histogram(p + "upstream_latency_seconds",
+                                 "Time from sending a request to an instance to its response headers",
+                                 ["role", "instance"], registry=r,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.in_flight = Gauge(p + "in_flight", "Requests in flight to an instance", ["role", "instance"], registry=r)
+        self.up = Gauge(p + "instance_up", "1 while an instance takes requests (health and failures)",
+                        ["role", "instance"], registry=r)
+        self.disconnects = Counter(p + "client_disconnects", "Clients that went away before their answer ended",
+                                   registry=r)
+
+    def prime(self, instances: list[Instance]) -> None:
+        """Create every per-instance series at its start value, so a dashboard reads 0, not "no data"."""
+        for i in instances:
+            labels = (i.role.value, i.name)
+            self.in_flight.labels(*labels).set(0)
+            self.up.labels(*labels).set(1 if i.state is InstanceState.UP else 0)
+            self.latency.labels(*labels)
+            if i.role is Role.PREFILL:
+                for reason in Reason:
+                    self.prefill_failures.labels(i.name, reason.value)
+
+
+@dataclass
+class _Trace:
+    """What the access log line says about one request."""
+
+    request_id: str = ""
+    prefill: str = "-"
+    decode: str = "-"
+    note: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        if not cfg.prefill or not cfg.decode:
+            raise ValueError("the router needs at least one --prefill and one --decode instance")
+        self.cfg = cfg
+        self.prefill = Pool([parse_instance(Role.PREFILL, s, cfg.default_worker_port) for s in cfg.prefill],
+                            cfg.policy)
+        self.decode = Pool([parse_instance(Role.DECODE, s, cfg.default_worker_port) for s in cfg.decode], cfg.policy)
+        names = [i.url for i in self.instances]
+        if len(set(names)) != len(names):
+            raise ValueError(f"an instance is listed twice: {names}")
+        self.metrics = RouterMetrics()
+        self.metrics.prime(self.instances)
+        self.health_round_at: float | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.prefill.instances + self.decode.instances
+
+    # ---- application ----------------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._access])
+        for path in COMPLETION_PATHS:
+            app.router.add_post(path, self.completion)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_view)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s,
+                                          sock_read=self.cfg.read_timeout_s),
+            auto_decompress=False,  # bytes are relayed as the engine sent them, Content-Encoding included
+        )
+        await self._health_round()  # /health means something from the first request on
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler) -> web.StreamResponse:
+        trace = request["trace"] = _Trace(request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status, trace.note = 499, "client disconnected"  # nginx's code for it; never sent, only logged
+            self.metrics.disconnects.inc()
+            raise
+        finally:
+            route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+            self.metrics.requests.labels(route, str(status)).inc()
+            access_log.info("%s %s %s %d %.1f ms id=%s prefill=%s decode=%s%s", request.remote, request.method,
+                            request.path, status, (time.monotonic() - trace.started) * 1e3, trace.request_id,
+                            trace.prefill, trace.decode, f" ({trace.note})" if trace.note else "")
+
+    # ---- handlers -------------------------------------------------------------------------------------------------
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        trace: _Trace = request["trace"]
+        body = await request.read()  # over max_body_bytes: aiohttp answers 413 itself
+        try:
+            req = json.loads(body)
+            if not isinstance(req, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            return web.json_response({"error": f"invalid JSON body: {e}"}, status=400)
+        headers = forwarded(request.headers, NOT_FORWARDED_UP)
+        headers["X-Request-Id"] = trace.request_id
+        kv_id = f"p2pw-{uuid.uuid4().hex}"
+        by = await self._prefill_leg(request.path, req, headers, kv_id, trace)
+        dec = dict(req)
+        dec.pop("kv_transfer_params", None)
+        if by is not None:
+            host, port = by.worker
+            dec["kv_transfer_params"] = {"remote_prefiller": {
+                "kv_request_id": kv_id, "remote_host": host, "remote_port": port}}
+        headers["Content-Type"] = "application/json"
+        return await self._relay(request, self.decode, "POST", request.path, json.dumps(dec).encode(), headers)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        headers = forwarded(request.headers, NOT_FORWARDED_UP)
+        return await self._relay(request, self.decode, "GET", request.path, None, headers)
+
+    async def health(self, _request: web.Request) -> web.Response:
+        """Each instance as the last health round and the requests since saw it; 200 while a decode instance is
+        up (decode alone still answers, by recomputing), else 503."""
+        def view(i: Instance) -> dict:
+            d = {"url": i.url, "state": i.state.value, "in_flight": i.in_flight, "last_error": i.last_error}
+            if i.worker is not None:
+                d["worker"] = f"{i.worker[0]}:{i.worker[1]}"
+                d["worker_reachable"] = i.worker_reachable
+            return d
+        dec_up, pre_up = self.decode.up(), self.prefill.up()
+        status = ("ok" if len(dec_up) + len(pre_up) == len(self.instances)
+                  else "degraded" if dec_up else "unavailable")
+        age = None if self.health_round_at is None else round(time.monotonic() - self.health_round_at, 3)
+        return web.json_response({"status": status, "health_round_age_s": age,
+                                  "prefill": [view(i) for i in self.prefill.instances],
+                                  "decode": [view(i) for i in self.decode.instances]},
+                                 status=200 if dec_up else 503)
+
+    async def metrics_view(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- upstream calls -------------------------------------------------------------------------------------------
+
+    def _failed(self, inst: Instance, err: UpstreamError) -> None:
+        self.metrics.upstream_errors.labels(inst.role.value, inst.name, err.reason.value).inc()
+        before = inst.record(Outcome.FAILED, time.monotonic(), str(err))
+        if before is InstanceState.UP:
+            log.warning("%s %s taken out: %s (the health round brings it back)", inst.role.value, inst.name, err)
+        self.metrics.up.labels(inst.role.value, inst.name).set(0)
+
+    def _ok(self, inst: Instance) -> None:
+        if inst.record(Outcome.OK, time.monotonic()) is InstanceState.DOWN:
+            log.info("%s %s back: it answered a request", inst.role.value, inst.name)
+        self.metrics.up.labels(inst.role.value, inst.name).set(1)
+
+    def _enter(self, inst: Instance) -> None:
+        inst.in_flight += 1
+        self.metrics.in_flight.labels(inst.role.value, inst.name).set(inst.in_flight)
+
+    def _leave(self, inst: Instance) -> None:
+        inst.in_flight -= 1
+        self.metrics.in_flight.labels(inst.role.value, inst.name).set(inst.in_flight)
+
+    async def _prefill_leg(self, path: str, req: dict, headers: CIMultiDict[str], kv_id: str,
+                           trace: _Trace) -> Instance | None:
+        """Prefill on one instance; that instance, or None when every try failed (decode recomputes)."""
+        pre = dict(req, max_tokens=1, stream=False, kv_transfer_params={"remote_decoder": {"kv_request_id": kv_id}})
+        pre.pop("stream_options", None)  # only valid with stream=true
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        data = json.dumps(pre).encode()
+        headers = CIMultiDict(headers)
+        headers["Content-Type"] = "application/json"  # replaces the client's (CIMultiDict(h, **kw) would add one)
+        tried: tuple[Instance, ...] = ()
+        while (inst := self.prefill.pick(exclude=tried)) is not None:
+            tried += (inst,)
+            trace.prefill = inst.name
+            self._enter(inst)
+            sent = time.monotonic()
+            try:
+                async with self._session.post(inst.url + path, data=data, headers=headers) as r:
+                    self.metrics.latency.labels(Role.PREFILL.value, inst.name).observe(time.monotonic() - sent)
+                    detail = (await r.read())[:300].decode(errors="replace")
+                    if r.status == 200:
+                        self._ok(inst)
+                        return inst
+                    err = UpstreamError(Reason.HTTP_5XX if r.status >= 500 else Reason.HTTP_4XX,
+                                        f"HTTP {r.status}: {detail}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                err = _classify(e)
+            finally:
+                self._leave(inst)
+            self.metrics.prefill_failures.labels(inst.name, err.reason.value).inc()
+            if err.reason is Reason.HTTP_4XX:
+                self._ok(inst)  # the instance answered; the request is what it refused
+            else:
+                self._failed(inst, err)
+            if err.reason is not Reason.UNREACHABLE:  # it may have been half done: once is enough
+                log.warning("prefill on %s failed (%s) for %s: decode recomputes", inst.name, err, trace.request_id)
+                trace.note = f"prefill {err.reason.value}, recomputed"
+                return None
+        trace.note = "no prefill instance reachable, recomputed"
+        log.warning("no prefill instance reachable for %s: decode recomputes", trace.request_id)
+        return None
+
+    async def _relay(self, request: web.Request, pool: Pool, method: str, path: str, data: bytes | None,
+                     headers: CIMultiDict[str]) -> web.StreamResponse:
+        """Send to one instance of `pool` and stream its answer back as it comes (status, headers, body).
+
+        Only an unreachable instance is tried again elsewhere (nothing was sent).  If the instance breaks after its
+        headers went out, the client's response is cut (connection closed, no final chunk): the client sees a
+        broken response, never a short one that looks complete."""
+        trace: _Trace = request["trace"]
+        tried: tuple[Instance, ...] = ()
+        errors: list[str] = []
+        while (inst := pool.pick(exclude=tried)) is not None:
+            tried += (inst,)
+            trace.decode = inst.name
+            self._enter(inst)
+            sent = time.monotonic()
+            try:
+                async with self._session.request(method, inst.url + path, data=data, headers=headers) as up:
+                    self.metrics.latency.labels(pool.instances[0].role.value, inst.name).observe(
+                        time.monotonic() - sent)
+                    if up.status >= 500:
+                        self._failed(inst, UpstreamError(Reason.HTTP_5XX, f"HTTP {up.status}"))
+                    else:
+                        self._ok(inst)
+                    resp = web.StreamResponse(status=up.status, reason=up.reason,
+                                              headers=forwarded(up.headers, NOT_FORWARDED_DOWN))
+                    await resp.prepare(request)
+                    try:
+                        async for chunk in up.content.iter_any():
+                            await resp.write(chunk)
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError,
+                            asyncio.TimeoutError) as e:
+                        if request.transport is None or request.transport.is_closing():
+                            raise  # the client went first (its write failed): nothing to cut
+                        err = _classify(e)
+                        self._failed(inst, err)
+                        trace.note = f"cut: upstream {err}"
+                        log.warning("%s %s broke mid-answer (%s) for %s: client's response cut",
+                                    inst.role.value, inst.name, err, trace.request_id)
+                        request.transport.close()  # no final chunk: the client sees the break
+                        return resp
+                    await resp.write_eof()
+                    return resp
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                err = _classify(e)
+                self._failed(inst, err)
+                errors.append(f"{inst.name}: {err}")
+                if err.reason is not Reason.UNREACHABLE:
+                    status = 504 if err.reason is Reason.TIMEOUT else 502
+                    return web.json_response({"error": f"{inst.role.value} instance failed: {inst.name}: {err}"},
+                                             status=status)
+            finally:
+                self._leave(inst)
+        return web.json_response({"error": "no instance reachable: " + "; ".join(errors)}, status=502)
+
+    # ---- health ---------------------------------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            try:
+                await self._health_round()
+            except Exception:  # noqa: BLE001  a bug in a round must not end health checking for good
+                log.exception("health round failed")
+
+    async def _health_round(self) -> None:
+        await asyncio.gather(*(self._probe(i) for i in self.instances))
+        self.health_round_at = time.monotonic()
+
+    async def _probe(self, inst: Instance) -> None:
+        """One instance's /health (200 within health_timeout_s) and, for prefill, its worker's control port
+        (accepts a TCP connection: the decode worker must reach it to fetch this engine's KV)."""
+        err = ""
+        try:
+            async with self._session.get(inst.url + "/health",
+                                         timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)) as r:
+                await r.read()
+                if r.status != 200:
+                    err = f"/health answered HTTP {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            err = f"/health: {_classify(e)}"
+        if inst.worker is not None:
+            try:
+                _, w = await asyncio.wait_for(asyncio.open_connection(*inst.worker), self.cfg.health_timeout_s)
+                w.close()
+                inst.worker_reachable = True
+            except (OSError, asyncio.TimeoutError) as e:
+                inst.worker_reachable = False
+                err = err or f"worker {inst.worker[0]}:{inst.worker[1]} unreachable: {e or type(e).__name__}"
+        now = time.monotonic()
+        before = inst.record(Outcome.FAILED if err else Outcome.OK, now, err)
+        if before is not inst.state:
+            if err:
+                log.warning("%s %s taken out by the health round: %s", inst.role.value, inst.name, err)
+            else:
+                log.info("%s %s back: its health round passed", inst.role.value, inst.name)
+        self.metrics.up.labels(inst.role.value, inst.name).set(1 if inst.state is InstanceState.UP else 0)
+
+
+async def _serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
+    router = Router(cfg)
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.shutdown_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("PD router on http://%s:%d (%s): prefill %s, decode %s", cfg.host, cfg.port, cfg.policy.value,
+                 ", ".join(f"{i.name} (worker {i.worker[0]}:{i.worker[1]})" for i in router.prefill.instances),
+                 ", ".join(i.name for i in router.decode.instances))
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        log.info("stopping: requests in flight get %.0f s", cfg.shutdown_timeout_s)
+    finally:
+        await runner.cleanup()
+
+
+def serve(cfg: RouterConfig) -> None:
+    asyncio.run(_serve(cfg))

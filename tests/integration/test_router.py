@@ -1,0 +1,382 @@
+"""The PD router (`p2pworker router`) as a real process in front of fake engines that are real processes too
+(tests/fakes/engine.py), so a test can kill one mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from p2pworker.router.pool import MOVES, Instance, InstanceState, Outcome, Policy, Pool, Role, parse_instance
+from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router
+from tests.ports import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """Makes engines, worker ports and routers; stops every one of them at the end (a router must exit 0 on
+    SIGTERM)."""
+    made: list = []
+
+    class Fleet:
+        def engine(self, name: str, **kw) -> FakeEngine:
+            made.append(e := FakeEngine(name, tmp_path, **kw))
+            return e
+
+        def worker(self) -> FakeWorkerPort:
+            made.append(w := FakeWorkerPort())
+            return w
+
+        def router(self, prefill: list[str], decode: list[str], *flags: str) -> Router:
+            made.append(r := Router(tmp_path, prefill, decode, *flags))
+            return r
+
+    yield Fleet()
+    codes = []
+    for thing in reversed(made):
+        if isinstance(thing, Router):
+            codes.append((thing.stop(), thing.log.read_text()[-2000:]))
+        elif isinstance(thing, FakeEngine):
+            thing.stop()
+        else:
+            thing.close()
+    for code, log in codes:
+        assert code == 0, f"router exit {code} on SIGTERM:\n{log}"
+
+
+def _prefill(e: FakeEngine, w: FakeWorkerPort) -> str:
+    return f"{e.url},worker=127.0.0.1:{w.port}"
+
+
+def _wait(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
+        time.sleep(0.05)
+
+
+# ---- the pool (sans-IO) -------------------------------------------------------------------------------------------
+
+def test_moves_table_covers_every_state_and_outcome_and_only_health_or_success_brings_back():
+    assert set(MOVES) == {(s, o) for s in InstanceState for o in Outcome}
+    assert all(MOVES[(s, Outcome.FAILED)] is InstanceState.DOWN for s in InstanceState)
+    assert all(MOVES[(s, Outcome.OK)] is InstanceState.UP for s in InstanceState)
+
+
+def test_pool_picks_least_in_flight_rotates_ties_and_falls_back_to_the_oldest_failure():
+    a, b, c = (Instance(Role.DECODE, f"http://h:{p}") for p in (1, 2, 3))
+    pool = Pool([a, b, c])
+    assert [pool.pick().url for _ in range(3)] == ["http://h:1", "http://h:2", "http://h:3"]  # ties rotate
+    a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
+    assert {pool.pick() is b for _ in range(3)} == {True}
+    b.record(Outcome.FAILED, now=5.0, error="x")
+    assert pool.pick() is c and pool.pick(exclude=(c,)) is a
+    a.record(Outcome.FAILED, now=7.0)
+    c.record(Outcome.FAILED, now=6.0)
+    assert pool.pick() is b  # none up: the one that failed longest ago
+    assert pool.pick(exclude=(a, b, c)) is None
+    rr = Pool([Instance(Role.DECODE, "http://h:1", in_flight=9), Instance(Role.DECODE, "http://h:2")],
+              Policy.ROUND_ROBIN)
+    assert [rr.pick().url for _ in range(2)] == ["http://h:1", "http://h:2"]  # in-flight counts ignored
+
+
+def test_instance_specs():
+    p = parse_instance(Role.PREFILL, "http://10.0.0.5:8100,worker=10.0.0.5:5711", 5710)
+    assert (p.url, p.worker, p.name) == ("http://10.0.0.5:8100", ("10.0.0.5", 5711), "10.0.0.5:8100")
+    assert parse_instance(Role.PREFILL, "http://pre:8100/", 5710).worker == ("pre", 5710)
+    assert parse_instance(Role.DECODE, "http://dec:8200", 5710).worker is None
+    for bad in ("https://x:1", "http://x:1/v1", "x:1", "http://x:1,worker=x", "http://x:1,weight=2"):
+        with pytest.raises(ValueError):
+            parse_instance(Role.PREFILL, bad, 5710)
+    with pytest.raises(ValueError, match="no options"):
+        parse_instance(Role.DECODE, "http://x:1,worker=y:2", 5710)
+
+
+# ---- one of each --------------------------------------------------------------------------------------------------
+
+def test_prefill_then_decode_with_matching_params_and_every_end_to_end_header(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url])
+    status, headers, body = r.request(
+        "POST", "/v1/completions",
+        {"model": "tiny", "prompt": "hello", "max_tokens": 7, "stream_options": {"include_usage": True},
+         "kv_transfer_params": {"remote_prefiller": {"remote_host": "evil"}}},  # the client's own is replaced
+        headers={"Authorization": "Bearer sk-1", "X-Request-Id": "req-42", "X-Custom": "kept",
+                 "Connection": "keep-alive, X-Hop", "X-Hop": "dropped", "Proxy-Authorization": "dropped",
+                 "Keep-Alive": "timeout=5"})
+    assert status == 200, body
+    (p,), (d,) = pre.seen(), dec.seen()
+    assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False and "stream_options" not in p["body"]
+    kv_id = p["body"]["kv_transfer_params"]["remote_decoder"]["kv_request_id"]
+    assert d["body"]["max_tokens"] == 7 and d["body"]["prompt"] == "hello"
+    assert d["body"]["kv_transfer_params"] == {"remote_prefiller": {
+        "kv_request_id": kv_id, "remote_host": "127.0.0.1", "remote_port": w.port}}
+    for seen in (p, d):
+        h = {k.lower(): v for k, v in seen["headers"].items()}
+        assert (h["authorization"], h["x-request-id"], h["x-custom"]) == ("Bearer sk-1", "req-42", "kept")
+        assert not {"x-hop", "proxy-authorization", "keep-alive"} & set(h), h
+    assert json.loads(body)["engine"] == "d1"
+    assert {k.lower(): v for k, v in headers.items()}["x-request-id"] == "req-42"  # the engine's headers come back
+    r.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    p2, d2 = pre.seen()[1], dec.seen()[1]
+    assert p2["body"]["kv_transfer_params"]["remote_decoder"]["kv_request_id"] != kv_id  # fresh per request
+    rid = {k.lower(): v for k, v in p2["headers"].items()}["x-request-id"]  # none given: one made, both see it
+    assert rid and rid == {k.lower(): v for k, v in d2["headers"].items()}["x-request-id"]
+    assert f"id={rid}" in r.log.read_text()  # the access log names it
+
+
+def test_streaming_answer_is_relayed_as_it_comes_and_intact(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1", tokens=5, token_delay=0.3), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url])
+    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "s", "stream": True}),
+              headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    resp = c.getresponse()
+    first = resp.read1(65536)
+    t_first = time.monotonic() - t0
+    rest = resp.read()
+    t_all = time.monotonic() - t0
+    body = first + rest
+    assert body == b"".join(b'data: {"engine": "d1", "i": %d}\n\n' % i for i in range(5)) + b"data: [DONE]\n\n"
+    assert resp.getheader("Content-Type") == "text/event-stream"
+    assert t_first < t_all - 0.8, (t_first, t_all)  # 5 tokens 0.3 s apart: the first came long before the end
+    assert pre.seen()[0]["body"]["stream"] is False  # the prefill leg never streams
+
+
+def test_health_models_metrics_and_bad_input(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url], "--max-body-mib", "1")
+    status, h = r.health()
+    assert status == 200 and h["status"] == "ok"
+    assert h["prefill"][0]["worker"] == f"127.0.0.1:{w.port}" and h["prefill"][0]["worker_reachable"] is True
+    assert [i["state"] for i in h["prefill"] + h["decode"]] == ["up", "up"]
+    status, _, body = r.request("GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["owned_by"] == "d1"
+    status, _, body = r.request("POST", "/v1/completions", b"{not json")
+    assert status == 400 and b"invalid JSON" in body
+    assert r.request("POST", "/v1/completions", b"[1]")[0] == 400
+    assert r.request("POST", "/v1/other", {})[0] == 404
+    assert r.request("POST", "/v1/completions", b"x" * (2 << 20))[0] == 413
+    assert r.metric("p2pworker_router_requests_total", route="/v1/completions", code="400") == 2
+    assert r.metric("p2pworker_router_instance_up", role="decode", instance=dec.url[7:]) == 1
+    assert r.metric("p2pworker_router_prefill_failures_total", instance=pre.url[7:], reason="http_5xx") == 0
+
+
+# ---- several instances --------------------------------------------------------------------------------------------
+
+def test_requests_spread_over_instances_and_decode_fetches_from_the_prefill_that_ran(fleet):
+    pres = [fleet.engine(f"p{i}") for i in (1, 2)]
+    decs = [fleet.engine(f"d{i}") for i in (1, 2)]
+    workers = [fleet.worker() for _ in pres]
+    r = fleet.router([_prefill(p, w) for p, w in zip(pres, workers)], [d.url for d in decs])
+    for i in range(8):
+        assert r.request("POST", "/v1/completions", {"prompt": f"q{i}"})[0] == 200
+    assert [len(e.seen()) for e in pres + decs] == [4, 4, 4, 4]
+    port_of = {}
+    for p, w in zip(pres, workers):
+        for s in p.seen():
+            port_of[s["body"]["kv_transfer_params"]["remote_decoder"]["kv_request_id"]] = w.port
+    for d in decs:
+        for s in d.seen():
+            kv = s["body"]["kv_transfer_params"]["remote_prefiller"]
+            assert kv["remote_port"] == port_of[kv["kv_request_id"]]
+
+
+def test_least_in_flight_steers_around_a_busy_instance(fleet):
+    pre, w = fleet.engine("p1"), fleet.worker()
+    slow, fast = fleet.engine("d1"), fleet.engine("d2")
+    r = fleet.router([_prefill(pre, w)], [slow.url, fast.url])
+    slow.mode(delay=3.0)
+    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "held"}),
+              headers={"Content-Type": "application/json"})  # goes to d1 (first in rotation), held 3 s
+    _wait(lambda: len(slow.seen()) == 1, what="d1 got the first request")
+    for i in range(4):
+        assert r.request("POST", "/v1/completions", {"prompt": f"q{i}"})[0] == 200
+    assert (len(slow.seen()), len(fast.seen())) == (1, 4)
+    assert c.getresponse().status == 200
+
+
+# ---- failures -----------------------------------------------------------------------------------------------------
+
+def test_failed_prefill_recomputes_takes_the_instance_out_and_the_health_round_brings_it_back(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url], "--health-interval", "0.5")
+    pre.mode(status=500)
+    status, _, body = r.request("POST", "/v1/completions", {"prompt": "p"})
+    assert status == 200 and "kv_transfer_params" not in dec.seen()[0]["body"]  # decode recomputed
+    status, h = r.health()
+    assert status == 200 and h["status"] == "degraded"
+    assert h["prefill"][0]["state"] == "down" and "HTTP 500" in h["prefill"][0]["last_error"]
+    assert r.metric("p2pworker_router_prefill_failures_total", instance=pre.url[7:], reason="http_5xx") == 1
+    pre.mode(status=200)
+    _wait(lambda: r.health()[1]["prefill"][0]["state"] == "up", what="prefill back after a health round")
+    r.request("POST", "/v1/completions", {"prompt": "p"})
+    assert "remote_prefiller" in dec.seen()[1]["body"]["kv_transfer_params"]
+    assert "health round passed" in r.log.read_text()
+
+
+def test_an_unreachable_instance_is_skipped_without_losing_the_request(fleet):
+    pres = [fleet.engine(f"p{i}") for i in (1, 2)]
+    decs = [fleet.engine(f"d{i}") for i in (1, 2)]
+    workers = [fleet.worker() for _ in pres]
+    r = fleet.router([_prefill(p, w) for p, w in zip(pres, workers)], [d.url for d in decs],
+                     "--health-interval", "60")  # no health round in between: the requests find them dead
+    pres[1].kill()
+    decs[1].kill()
+    for i in range(4):
+        assert r.request("POST", "/v1/completions", {"prompt": f"q{i}"})[0] == 200
+    assert len(pres[0].seen()) == 4 and len(decs[0].seen()) == 4
+    for s in decs[0].seen():  # none recomputed: the dead prefill's requests went to the live one
+        assert s["body"]["kv_transfer_params"]["remote_prefiller"]["remote_port"] == workers[0].port
+    _, h = r.health()
+    assert [i["state"] for i in h["prefill"]] == ["up", "down"] and "unreachable" in h["prefill"][1]["last_error"]
+    assert [i["state"] for i in h["decode"]] == ["up", "down"]
+    assert r.metric("p2pworker_router_upstream_errors_total", role="decode", instance=decs[1].url[7:],
+                    reason="unreachable") == 1
+
+
+def test_a_prefill_whose_worker_is_unreachable_is_taken_out(fleet):
+    pres = [fleet.engine(f"p{i}") for i in (1, 2)]
+    dec, w = fleet.engine("d1"), fleet.worker()
+    dead_worker = free_port()  # nothing listens there
+    r = fleet.router([_prefill(pres[0], w), f"{pres[1].url},worker=127.0.0.1:{dead_worker}"], [dec.url])
+    _, h = r.health()
+    assert h["prefill"][1]["state"] == "down" and h["prefill"][1]["worker_reachable"] is False
+    assert f"worker 127.0.0.1:{dead_worker} unreachable" in h["prefill"][1]["last_error"]
+    for i in range(3):
+        r.request("POST", "/v1/completions", {"prompt": f"q{i}"})
+    assert (len(pres[0].seen()), len(pres[1].seen())) == (3, 0)
+
+
+def test_no_decode_reachable_is_a_502_and_health_says_unavailable(fleet):
+    pre, w = fleet.engine("p1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [f"http://127.0.0.1:{free_port()}"])
+    status, h = r.health()
+    assert status == 503 and h["status"] == "unavailable"
+    status, _, body = r.request("POST", "/v1/completions", {"prompt": "p"})
+    assert status == 502 and b"no instance reachable" in body and b"unreachable" in body
+
+
+def test_read_timeout_answers_504_in_time(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url], "--read-timeout", "0.5")
+    dec.mode(delay=5.0)
+    t0 = time.monotonic()
+    status, _, body = r.request("POST", "/v1/completions", {"prompt": "p"})
+    assert status == 504 and b"timeout" in body
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_client_disconnect_cancels_the_upstream_requests(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1", tokens=200, token_delay=0.05), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url])
+    # mid-stream: the decode engine sees its client (the router) go away
+    s = socket.create_connection(("127.0.0.1", r.port))
+    body = json.dumps({"prompt": "s", "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"X-Request-Id: gone-1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert b"data:" in s.recv(65536) or b"data:" in s.recv(65536)
+    s.close()
+    _wait(lambda: [e["request_id"] for e in dec.seen("disconnect")] == ["gone-1"], 3.0,
+          "decode engine saw the disconnect")
+    # during the prefill leg: the prefill engine sees it, and decode never gets the request
+    pre.mode(delay=10.0)
+    s = socket.create_connection(("127.0.0.1", r.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"X-Request-Id: gone-2\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    _wait(lambda: len(pre.seen()) == 2, what="prefill got the second request")
+    s.close()
+    _wait(lambda: [e["request_id"] for e in pre.seen("disconnect")] == ["gone-2"], 3.0,
+          "prefill engine saw the disconnect")
+    time.sleep(0.3)
+    assert len(dec.seen()) == 1
+    assert r.metric("p2pworker_router_client_disconnects_total") == 2
+    assert r.metric("p2pworker_router_in_flight", role="prefill", instance=pre.url[7:]) == 0
+
+
+def test_decode_dying_mid_stream_cuts_the_client_response(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1", tokens=200, token_delay=0.05), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url])
+    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=10)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "s", "stream": True}),
+              headers={"Content-Type": "application/json"})
+    resp = c.getresponse()
+    assert resp.status == 200 and b"data:" in resp.read1(65536)
+    dec.kill()
+    t0 = time.monotonic()
+    with pytest.raises(http.client.IncompleteRead):  # a broken response, not one that looks complete
+        resp.read()
+    assert time.monotonic() - t0 < 3.0
+    assert "broke mid-answer" in r.log.read_text()
+
+
+# ---- load ---------------------------------------------------------------------------------------------------------
+
+async def _wave(port: int, n: int, tag: str, during=None) -> tuple[int, list[str]]:
+    """n concurrent streaming clients; returns (complete streams, errors).  `during`: a coroutine run meanwhile."""
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                json={"prompt": f"{tag}-{i}", "stream": True}) as resp:
+            body = await resp.read()
+            if resp.status != 200 or not body.endswith(b"data: [DONE]\n\n"):
+                raise AssertionError(f"HTTP {resp.status}, ends {body[-40:]!r}")
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        jobs = [one(session, i) for i in range(n)] + ([during] if during else [])
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+    errors = [repr(e) for e in results[:n] if e is not None]
+    return n - len(errors), errors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_200_streaming_clients_an_upstream_killed_mid_wave_bounded_memory(fleet):
+    """200 concurrent streaming clients through 2 prefill + 2 decode; a prefill engine killed mid-wave costs no
+    request (decode recomputes or the other prefill takes it); the router's memory stays flat over waves; a decode
+    engine killed mid-wave cuts only the streams it was serving, and the next wave is whole."""
+    pres = [fleet.engine(f"p{i}") for i in (1, 2)]
+    decs = [fleet.engine(f"d{i}", tokens=10, token_delay=0.05) for i in (1, 2)]
+    workers = [fleet.worker() for _ in pres]
+    r = fleet.router([_prefill(p, w) for p, w in zip(pres, workers)], [d.url for d in decs], "--log-level",
+                     "WARNING")
+    assert asyncio.run(_wave(r.port, 200, "warm")) == (200, [])
+    rss = [r.rss_mib()]
+
+    for p in pres:
+        p.mode(delay=0.3)  # prefill legs long enough to be in flight when one engine dies
+
+    async def kill_prefill():
+        await asyncio.sleep(0.15)
+        pres[1].kill()
+
+    ok, errors = asyncio.run(_wave(r.port, 200, "kill-prefill", kill_prefill()))
+    assert (ok, errors) == (200, [])
+    cut_prefill = r.metric("p2pworker_router_prefill_failures_total", instance=pres[1].url[7:],
+                           reason="disconnected")
+    assert cut_prefill >= 1  # some prefill legs were in flight on it: they recomputed
+    pres[0].mode(delay=0.0)
+    for i in range(4):
+        assert asyncio.run(_wave(r.port, 200, f"steady-{i}")) == (200, [])
+        rss.append(r.rss_mib())
+    assert max(rss) - rss[1] < 25, f"router RSS over waves (MiB): {rss}"
+
+    async def kill_decode():
+        await asyncio.sleep(0.2)  # every stream has started (10 tokens 50 ms apart: 0.5 s each)
+        decs[1].kill()
+
+    ok, errors = asyncio.run(_wave(r.port, 200, "kill-decode", kill_decode()))
+    assert 0 < len(errors) <= 120 and ok >= 80, (ok, errors[:3])  # least-in-flight: about half were on d2
+    assert all("ClientPayloadError" in e or "TransferEncodingError" in e for e in errors), errors[:3]
+    assert asyncio.run(_wave(r.port, 200, "after")) == (200, [])
+    print(f"router RSS MiB per wave {[round(x, 1) for x in rss]}; prefill legs cut by the kill {cut_prefill:.0f}; "
+          f"streams cut by the decode kill {len(errors)}")
