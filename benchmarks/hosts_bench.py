@@ -35,13 +35,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--passive-poll-s", type=float, default=None,
                     help="the workers' passive_poll_s (default: the worker's default, 0.001)")
+    ap.add_argument("--passive-burst-s", type=float, default=None,
+                    help="the workers' passive_burst_s (default: the worker's, 1.0; 0 turns the burst off)")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args()
     sizes = [m * (1 << 20) // BLOCK for m in args.sizes_mib]
     blocks = 2 * max(sizes) + 8
     samples: dict[tuple[str, int], list[float]] = {}
     job = 1
-    settings = {"worker": {"passive_poll_s": args.passive_poll_s}} if args.passive_poll_s else None
+    worker = {k: v for k, v in (("passive_poll_s", args.passive_poll_s), ("passive_burst_s", args.passive_burst_s))
+              if v is not None}
+    settings = {"worker": worker} if worker else None
     with tempfile.TemporaryDirectory() as logs, two_hosts("bench", Path(logs), blocks, BLOCK, settings) as hosts:
         raw_a = hosts.a.call(op="raw_open", serve=True)
         hosts.b.call(op="raw_open", serve=False)
@@ -84,6 +88,7 @@ def main() -> None:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"mode": mode, "reps": args.reps, "rounds": args.rounds, "passive_poll_s": args.passive_poll_s,
+                       "passive_burst_s": args.passive_burst_s,
                        "rows": rows}, f, indent=2)
 
 

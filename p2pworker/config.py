@@ -49,6 +49,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     idle_poll_s: Pos = 0.1  # longest sleep when idle
     busy_poll_s: Pos = 0.001  # poll period while our own reads are in flight (drives NIXL progress)
     passive_poll_s: Pos = 0.001  # poll period while we hold leases: a passive NIXL target over TCP must progress
+    # for this long after each offer (the consumer's READ is then in flight) poll every passive_burst_poll_s
+    passive_burst_s: NonNeg = 1.0
+    passive_burst_poll_s: Pos = 0.0002
     shutdown_timeout_s: Pos = 10.0  # bound on draining in-flight transfers at shutdown
     prefault: bool = True  # pre-fault the region's page tables at attach (MAP_POPULATE)
     wait_rings_s: NonNeg = 0.0  # operator-launched worker: wait this long for the adapter to create the rings

@@ -84,6 +84,21 @@ def boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+def poll_timeout_s(cfg: WorkerConfig, *, busy: bool, now: float, next_tick: float, leases: int,
+                   last_offer_at: float) -> float:
+    """How long the loop may sleep on its sockets: busy_poll_s while our own reads are in flight; otherwise until
+    the next timer, but while we hold leases a peer may be reading our rows, which over TCP moves only while we
+    progress: passive_burst_poll_s for passive_burst_s after the last offer (the consumer's READ is in flight
+    then), passive_poll_s after that (a lease held long, e.g. by a slow consumer, costs less)."""
+    if busy:
+        return cfg.busy_poll_s
+    timeout_s = max(0.0, min(cfg.idle_poll_s, next_tick - now))
+    if leases:
+        burst = now - last_offer_at < cfg.passive_burst_s
+        timeout_s = min(timeout_s, cfg.passive_burst_poll_s if burst else cfg.passive_poll_s)
+    return timeout_s
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, *, clock: Callable[[], float] = boottime):
         if not cfg.rings:
@@ -244,8 +259,8 @@ class Worker:
 
     def _needs_polling(self) -> bool:
         """Sleep short (busy_poll_s) only while our own posted reads are in flight (NIXL progress and
-        completions, the ZMQ fallback's replies).  Leased rows a peer may be reading get passive_poll_s (see
-        _sleep); an idle worker sleeps on its sockets."""
+        completions, the ZMQ fallback's replies).  Leased rows a peer may be reading get the passive rates of
+        poll_timeout_s; an idle worker sleeps on its sockets."""
         return self.data is not None and bool(self.data.in_flight())
 
     def _abort(self, why: str) -> None:
@@ -268,12 +283,10 @@ class Worker:
     def _sleep(self, busy: bool) -> None:
         if self.data is not None and self.data.has_backlog():
             return  # pieces are ready to post: no sleeping
-        if busy:
-            timeout_s = self.cfg.busy_poll_s
-        else:
-            timeout_s = max(0.0, min(self.cfg.idle_poll_s, self._next_tick - self.clock()))
-            if self.ctx is not None and self.ctx.lot.leases:
-                timeout_s = min(timeout_s, self.cfg.passive_poll_s)
+        lot = self.ctx.lot if self.ctx is not None else None
+        timeout_s = poll_timeout_s(self.cfg, busy=busy, now=self.clock(), next_tick=self._next_tick,
+                                   leases=lot.leases if lot is not None else 0,
+                                   last_offer_at=lot.last_offer_at if lot is not None else -math.inf)
         epoch = self.ctl.sockets_epoch if self.ctl is not None else -1
         if epoch != self._poll_epoch:  # links come and go: rebuild only then (not O(links) on every sleep)
             self._poller = zmq.Poller()

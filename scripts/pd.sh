@@ -71,7 +71,7 @@ EOF
 
 start_engine() {  # role http_port p2p_port extra_env worker_metrics_port host
   local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 host=$6 engine_id cfg
-  engine_id="p2pw-$role-$$"
+  engine_id="p2pw-$role-$$-$RANDOM"  # $RANDOM: pids repeat across PID namespaces (emulated hosts)
   cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host")
   echo "$cfg" > "$RUN_DIR/$role.kv.json"
   echo "$engine_id" > "$RUN_DIR/$role.engine_id"

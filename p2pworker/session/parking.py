@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -89,6 +90,7 @@ class ParkingLot:
         self.reaped = 0
         self.leases_expired = 0
         self.leases = 0  # parcels under a lease now (the worker polls for passive progress only then)
+        self.last_offer_at = -math.inf  # when rows were last offered (the worker polls fastest right after)
         # (due, seq, parcel, lease or None): when tick() must look at a parcel (reap) or a lease (its end).  A
         # heap, so a tick costs what is due, not a walk over every parked request (invariant 8).  Stale entries
         # (a parcel forgotten, a lease released) are skipped when they come up.

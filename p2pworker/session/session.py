@@ -704,6 +704,8 @@ class Session:
         final = (not lease.more and (not lease.pending or p.finished)) or now >= lease.offer_until
         if not keys and not final:
             return
+        if keys:
+            self.ctx.lot.last_offer_at = now
         reason = ""
         if final and lease.pending:
             reason = ("request finished before every key was stored" if p.finished

@@ -66,6 +66,7 @@ class PD:
         }
         self.env.pop("P2PWORKER_SECRET", None)  # pd.sh generates one into RUN_DIR
         self.report: dict = {}
+        self.role_dirs: dict[str, str] = {}  # a role started with its own RUN_DIR (one per emulated host)
 
     # ---------------------------------------------------------------- scripts
     def script(self, *args: str, timeout_s: float = 400.0, **env: str) -> subprocess.CompletedProcess:
@@ -119,7 +120,7 @@ class PD:
 
     # ---------------------------------------------------------------- processes
     def engine_id(self, role: str) -> str:
-        with open(os.path.join(self.run_dir, f"{role}.engine_id")) as f:
+        with open(os.path.join(self.role_dirs.get(role, self.run_dir), f"{role}.engine_id")) as f:
             return f.read().strip()
 
     def worker_pids(self, role: str) -> list[int]:

@@ -72,6 +72,19 @@ class Host:
         return code
 
 
+# a host's pid 1: it must reap, or every process orphaned there (an engine whose starter exited) stays a zombie when
+# it ends, and `kill -0` (pd.sh's "alive") still finds it
+_REAPER = """
+import os, sys, time
+print("ready", flush=True)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        time.sleep(0.2)
+"""
+
+
 def _run(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
 
@@ -90,6 +103,8 @@ class TwoHosts:
         self.why = ""
         self.hosts: list[Host] = []
         self.died: set[str] = set()  # hosts whose worker a test saw die on purpose (their exit code is not 0)
+        self.holders: list[subprocess.Popen] = []  # hold(): each host's namespaces, without an agent
+        self.init_pids: list[int] = []
 
     # ------------------------------------------------------------ namespaces
     def _make(self) -> None:
@@ -159,6 +174,51 @@ class TwoHosts:
                             seed=i, settings=settings, advertise=self.ips[i] if bind_any else None)
             host.address = out["address"]
             host.backend = out["backend"]
+
+    # ------------------------------------------------------------ any command inside a host
+    def hold(self, shm_size: str = "2g") -> None:
+        """Namespaces only (no agents): start each host's idle init process (its own PID, IPC and mount namespaces,
+        a private /dev/shm of ``shm_size``), so that any command can run inside with :meth:`enter`.  Netns mode
+        only; the caller makes the namespaces with :meth:`make` first."""
+        assert self.mode == NETNS
+        for i in range(2):
+            script = (f"mount -t tmpfs -o size={shm_size} tmpfs /dev/shm && "
+                      f"exec {sys.executable} -c '{_REAPER}'")
+            holder = subprocess.Popen(
+                ["ip", "netns", "exec", self.ns[i], "unshare", "--pid", "--ipc", "--fork", "--kill-child",
+                 "--mount-proc", "sh", "-c", script],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.holders.append(holder)
+            ready, _, _ = select.select([holder.stdout], [], [], 10)
+            if not ready or holder.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"host {i}: namespace holder did not start (exit {holder.poll()})")
+            # unshare's child: the namespace's pid 1 (the reaper), in our numbering
+            self.init_pids.append(int(Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split()[0]))
+
+    def enter(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` run inside host ``i`` (its network, mount, PID and IPC namespaces; nsenter forks, so the
+        command's children live in the host's PID namespace and die with it)."""
+        return ["nsenter", "-t", str(self.init_pids[i]), "-n", "-m", "-p", "-i", "--", *argv]
+
+    def make(self) -> None:
+        try:
+            self._make()
+        except (OSError, subprocess.SubprocessError) as e:
+            self._unmake()
+            self.mode, self.why = LOOPBACK_TCP, (getattr(e, "stderr", "") or str(e)).strip()
+
+    def release(self) -> list[str]:
+        """End the holders (every process left in a host's PID namespace dies with its pid 1), then the
+        namespaces; returns what was left behind."""
+        for holder in self.holders:
+            if holder.poll() is None:
+                holder.terminate()
+            try:
+                holder.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+                holder.wait(timeout=10)
+        return self._unmake() if self.mode == NETNS else []
 
     @property
     def a(self) -> Host:
