@@ -254,17 +254,24 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
 @click.option("--health-interval", type=float, default=5.0, show_default=True,
               help="Seconds between health rounds (each instance's /health, each prefill worker's port).")
 @click.option("--health-timeout", type=float, default=2.0, show_default=True)
-@click.option("--max-body-mib", type=int, default=16, show_default=True, help="Largest request body accepted.")
+@click.option("--max-body-mib", type=int, default=0, show_default=True,
+              help="Largest request body accepted; 0: no limit (vLLM has none: a prompt as 1M token ids is ~7 MiB).")
+@click.option("--shutdown-delay", type=float, default=0.0, show_default=True,
+              help="On SIGTERM, seconds to go on serving while /health says 503 (draining), so that a load "
+                   "balancer takes the router out first.")
+@click.option("--shutdown-timeout", type=float, default=30.0, show_default=True,
+              help="Then seconds for requests in flight to finish before they are cut.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", show_default=True,
               help="INFO includes one access-log line per request.")
 def router(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, policy: str,
            connect_timeout: float, read_timeout: float, health_interval: float, health_timeout: float,
-           max_body_mib: int, log_level: str) -> None:
+           max_body_mib: int, shutdown_delay: float, shutdown_timeout: float, log_level: str) -> None:
     """PD router: OpenAI-compatible /v1/completions and /v1/chat/completions, /v1/models, /health, /metrics.
 
     Each request is prefilled on one PREFILL instance (max_tokens=1, remote_decoder), then answered by one DECODE
     instance (remote_prefiller -> that prefill instance's worker), streamed or not.  A failed prefill still
-    answers (decode recomputes).  Instances that fail are taken out until their health round passes.
+    answers (decode recomputes).  An instance whose connection fails (or that fails 3 requests in a row) is taken
+    out until its health round passes.
     """
     import logging
 
@@ -275,7 +282,8 @@ def router(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: i
         cfg = RouterConfig(prefill=prefill, decode=decode, host=host, port=port, policy=Policy(policy),
                            connect_timeout_s=connect_timeout, read_timeout_s=read_timeout,
                            health_interval_s=health_interval, health_timeout_s=health_timeout,
-                           max_body_bytes=max_body_mib << 20)
+                           max_body_bytes=max_body_mib << 20, shutdown_delay_s=shutdown_delay,
+                           shutdown_timeout_s=shutdown_timeout)
         serve(cfg)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e

@@ -84,16 +84,17 @@ def boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-def poll_timeout_s(cfg: WorkerConfig, *, busy: bool, now: float, next_tick: float, leases: int,
+def poll_timeout_s(cfg: WorkerConfig, *, busy: bool, now: float, next_tick: float, offering: int,
                    last_offer_at: float) -> float:
     """How long the loop may sleep on its sockets: busy_poll_s while our own reads are in flight; otherwise until
-    the next timer, but while we hold leases a peer may be reading our rows, which over TCP moves only while we
-    progress: passive_burst_poll_s for passive_burst_s after the last offer (the consumer's READ is in flight
-    then), passive_poll_s after that (a lease held long, e.g. by a slow consumer, costs less)."""
+    the next timer, but while leases hold offered rows (``offering``) a peer may be reading them, which over TCP
+    moves only while we progress: passive_burst_poll_s for passive_burst_s after the last offer (the consumer's
+    READ is in flight then), passive_poll_s after that (a lease held long, e.g. by a slow consumer, costs less).
+    A lease with nothing offered yet (a Fetch before the stores) costs nothing: nobody reads before an offer."""
     if busy:
         return cfg.busy_poll_s
     timeout_s = max(0.0, min(cfg.idle_poll_s, next_tick - now))
-    if leases:
+    if offering:
         burst = now - last_offer_at < cfg.passive_burst_s
         timeout_s = min(timeout_s, cfg.passive_burst_poll_s if burst else cfg.passive_poll_s)
     return timeout_s
@@ -285,7 +286,7 @@ class Worker:
             return  # pieces are ready to post: no sleeping
         lot = self.ctx.lot if self.ctx is not None else None
         timeout_s = poll_timeout_s(self.cfg, busy=busy, now=self.clock(), next_tick=self._next_tick,
-                                   leases=lot.leases if lot is not None else 0,
+                                   offering=lot.offering if lot is not None else 0,
                                    last_offer_at=lot.last_offer_at if lot is not None else -math.inf)
         epoch = self.ctl.sockets_epoch if self.ctl is not None else -1
         if epoch != self._poll_epoch:  # links come and go: rebuild only then (not O(links) on every sleep)

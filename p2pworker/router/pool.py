@@ -1,15 +1,18 @@
 """Which upstream instance gets the next request (sans-IO: no sockets, no clock of its own).
 
-Each instance (a prefill or decode `vllm serve`) is UP or DOWN.  A request that fails on an instance for a reason
-that is the instance's (refused connection, timeout, reset, HTTP 5xx) takes it DOWN at once; only the health loop
-brings it back (its `/health` answered 200, and for a prefill instance its p2pworker's control port accepted a TCP
-connection).  A client's mistake (HTTP 4xx) says nothing about the instance.  The moves are the table `MOVES`; the
-tests read it.
+Each instance (a prefill or decode `vllm serve`) is UP or DOWN.  A failure of the connection itself (refused, not
+connected within the connect timeout, reset or closed mid-answer) takes it DOWN at once: the process or its host is
+gone.  A slower kind of trouble (HTTP 5xx, a read timeout: one request may be at fault) is an ERROR; only
+`ERRORS_TO_DOWN` of them in a row take it down.  A request answered, or a health round passed (its `/health`
+answered 200 and, for a prefill instance, its p2pworker's control port accepted a TCP connection), is OK and
+brings a DOWN instance back.  A client's mistake (HTTP 4xx) is OK too: the instance answered.  The moves are the
+table `MOVES`; the tests read it.
 
 Picking: the UP instance with the fewest requests in flight; ties go round-robin, so an idle pool spreads requests
-instead of sending every one to the first instance.  With no instance UP the pool still returns one (the DOWN
-instance whose last failure is oldest): a request that fails fast on a dead instance costs little, and one that
-succeeds brings it back before the next health round.
+instead of sending every one to the first instance.  With no instance UP, a pool with `fallback_to_down` (decode:
+without it the client gets no answer at all) still returns the DOWN instance whose last failure is oldest; the
+prefill pool returns None at once, and decode recomputes (a dead prefill host would cost every request the connect
+timeout).
 """
 
 from __future__ import annotations
@@ -31,13 +34,18 @@ class InstanceState(enum.Enum):
 
 class Outcome(enum.Enum):
     OK = "ok"  # a request answered (any status below 500) or a health round passed
-    FAILED = "failed"  # refused, reset, timed out, HTTP 5xx, or a health round failed
+    ERROR = "error"  # HTTP 5xx or a read timeout: counted; ERRORS_TO_DOWN in a row count as FAILED
+    FAILED = "failed"  # the connection failed (refused, connect timeout, reset, closed) or a health round failed
 
+
+ERRORS_TO_DOWN = 3
 
 MOVES: dict[tuple[InstanceState, Outcome], InstanceState] = {
     (InstanceState.UP, Outcome.OK): InstanceState.UP,
+    (InstanceState.UP, Outcome.ERROR): InstanceState.UP,
     (InstanceState.UP, Outcome.FAILED): InstanceState.DOWN,
     (InstanceState.DOWN, Outcome.OK): InstanceState.UP,
+    (InstanceState.DOWN, Outcome.ERROR): InstanceState.DOWN,
     (InstanceState.DOWN, Outcome.FAILED): InstanceState.DOWN,
 }
 
@@ -57,6 +65,7 @@ class Instance:
     last_error: str = ""
     failed_at: float = 0.0  # caller's clock; orders DOWN instances for the no-one-is-up fallback
     worker_reachable: bool | None = None  # prefill only: last health round's TCP check of the worker port
+    errors_in_row: int = 0  # ERROR outcomes since the last OK
 
     @property
     def name(self) -> str:
@@ -65,10 +74,18 @@ class Instance:
 
     def record(self, outcome: Outcome, now: float, error: str = "") -> InstanceState:
         """Apply one outcome; returns the previous state."""
+        if outcome is Outcome.ERROR:
+            self.errors_in_row += 1
+            if self.errors_in_row >= ERRORS_TO_DOWN:
+                outcome = Outcome.FAILED
+        elif outcome is Outcome.OK:
+            self.errors_in_row = 0
         before = self.state
         self.state = MOVES[(before, outcome)]
+        if outcome is not Outcome.OK:
+            self.last_error = error
         if outcome is Outcome.FAILED:
-            self.last_error, self.failed_at = error, now
+            self.failed_at = now
         return before
 
 
@@ -76,6 +93,7 @@ class Instance:
 class Pool:
     instances: list[Instance]
     policy: Policy = Policy.LEAST_IN_FLIGHT
+    fallback_to_down: bool = True  # with none UP, still pick a DOWN one (decode); else None (prefill: recompute)
     _next: int = field(default=0, repr=False)  # round-robin cursor
 
     def pick(self, exclude: tuple[Instance, ...] = ()) -> Instance | None:
@@ -88,7 +106,7 @@ class Pool:
             return None
         up = [i for i in candidates if i.state is InstanceState.UP]
         if not up:
-            return min(candidates, key=lambda i: i.failed_at)
+            return min(candidates, key=lambda i: i.failed_at) if self.fallback_to_down else None
         if self.policy is Policy.ROUND_ROBIN:
             return up[0]
         return min(up, key=lambda i: i.in_flight)  # min keeps the first of equals: the rotation breaks ties

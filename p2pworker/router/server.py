@@ -11,7 +11,12 @@ Upstream connections are pooled (one aiohttp session).  Every client header is f
 --api-key``) and ``X-Request-Id`` reach both engines; a request without ``X-Request-Id`` gets one, and the log
 line and both engines see the same id.  A client that disconnects cancels its handler (aiohttp's
 ``handler_cancellation``), which closes the upstream connections it holds, and vLLM aborts a request whose
-connection closed.
+connection closed; a client that stops reading gets ``read_timeout_s`` per write, then its connection is dropped.
+A client going away never counts against an instance.
+
+On SIGTERM: ``/health`` answers 503 ("draining") at once, requests are still served for ``shutdown_delay_s`` (a load
+balancer takes the router out meanwhile), then the listener closes and requests in flight get
+``shutdown_timeout_s`` to end.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ access_log = logging.getLogger("p2pworker.router.access")
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "proxy-connection"})
-# the body is re-encoded (its length changes) and the upstream is another host
-NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length"}
+# the body is re-encoded as plain JSON (its length changes; aiohttp already undid any Content-Encoding), the
+# upstream is another host, and the router itself answered any Expect: 100-continue
+NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"}
 # aiohttp frames the relayed body itself (chunked) and writes its own Date and Server
 NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "date", "server"}
 
@@ -48,11 +54,20 @@ NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "date", "server"}
 class Reason(enum.Enum):
     """Why an upstream call failed; the label of the failure counters."""
 
-    UNREACHABLE = "unreachable"  # no connection: nothing was sent, another instance may take the request
-    TIMEOUT = "timeout"  # connect or read timeout
+    UNREACHABLE = "unreachable"  # refused or not connected in time: nothing was sent, another instance may take it
+    TIMEOUT = "timeout"  # no bytes for read_timeout_s
     DISCONNECTED = "disconnected"  # the connection broke after the request was sent
     HTTP_5XX = "http_5xx"
     HTTP_4XX = "http_4xx"  # the request's fault, not the instance's (prefill leg only: decode's 4xx is relayed)
+
+    @property
+    def outcome(self) -> Outcome:
+        """What it says about the instance (pool.MOVES)."""
+        if self in (Reason.UNREACHABLE, Reason.DISCONNECTED):
+            return Outcome.FAILED  # the process or its host is gone
+        if self is Reason.HTTP_4XX:
+            return Outcome.OK  # it answered; the request is what it refused
+        return Outcome.ERROR  # one request may be at fault: only several in a row take it out
 
 
 class UpstreamError(Exception):
@@ -62,8 +77,9 @@ class UpstreamError(Exception):
 
 
 def _classify(e: BaseException) -> UpstreamError:
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return UpstreamError(Reason.UNREACHABLE, str(e))
+    # ConnectionTimeoutError: no connection within sock_connect (it is a TimeoutError too: test it first)
+    if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+        return UpstreamError(Reason.UNREACHABLE, str(e) or type(e).__name__)
     if isinstance(e, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
         return UpstreamError(Reason.TIMEOUT, str(e) or type(e).__name__)
     return UpstreamError(Reason.DISCONNECTED, str(e) or type(e).__name__)
@@ -86,14 +102,16 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: Policy = Policy.LEAST_IN_FLIGHT
-    connect_timeout_s: float = 5.0  # TCP connect to an instance
-    read_timeout_s: float = 600.0  # longest wait for the next bytes of an answer (a long prefill sends nothing)
+    connect_timeout_s: float = 5.0  # TCP connect to an instance (then the next one is tried)
+    read_timeout_s: float = 600.0  # longest silence of an instance (a long prefill sends nothing), and longest
+    #                                wait for a client to take the next piece of its answer
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0  # one instance's /health, one worker's TCP connect
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = 0  # 0: no limit (vLLM has none; a 1M-token prompt as token ids is ~7 MiB of JSON)
     default_worker_port: int = DEFAULT_PORT
-    max_connections: int = 1024  # pooled upstream connections, all instances together
-    shutdown_timeout_s: float = 10.0  # on SIGTERM: requests in flight get this long to finish
+    keepalive_s: float = 4.0  # idle pooled connections are closed before uvicorn's 5 s (vLLM's default) closes them
+    shutdown_delay_s: float = 0.0  # on SIGTERM: /health says 503 and requests are still served this long
+    shutdown_timeout_s: float = 30.0  # then the listener closes and requests in flight get this long to finish
 
 
 class RouterMetrics:
@@ -117,6 +135,8 @@ class RouterMetrics:
                         ["role", "instance"], registry=r)
         self.disconnects = Counter(p + "client_disconnects", "Clients that went away before their answer ended",
                                    registry=r)
+        self.cut = Counter(p + "responses_cut", "Answers cut because the instance broke after its headers went out",
+                           ["role", "instance"], registry=r)
 
     def prime(self, instances: list[Instance]) -> None:
         """Create every per-instance series at its start value, so a dashboard reads 0, not "no data"."""
@@ -138,6 +158,7 @@ class _Trace:
     prefill: str = "-"
     decode: str = "-"
     note: str = ""
+    client_gone: bool = False  # the client went away (its write failed or stalled): logged as 499
     started: float = field(default_factory=time.monotonic)
 
 
@@ -147,7 +168,7 @@ class Router:
             raise ValueError("the router needs at least one --prefill and one --decode instance")
         self.cfg = cfg
         self.prefill = Pool([parse_instance(Role.PREFILL, s, cfg.default_worker_port) for s in cfg.prefill],
-                            cfg.policy)
+                            cfg.policy, fallback_to_down=False)
         self.decode = Pool([parse_instance(Role.DECODE, s, cfg.default_worker_port) for s in cfg.decode], cfg.policy)
         names = [i.url for i in self.instances]
         if len(set(names)) != len(names):
@@ -155,7 +176,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.prime(self.instances)
         self.health_round_at: float | None = None
+        self.draining = False  # SIGTERM came: /health says 503 so that a load balancer stops sending
         self._session: aiohttp.ClientSession | None = None
+        self._probes: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
 
     @property
@@ -177,11 +200,16 @@ class Router:
 
     async def _start(self, _app: web.Application) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s,
+            # no pool limit: a request never waits for a free connection (aiohttp counts that wait in its connect
+            # timeout, so a busy pool would look like dead instances); each client holds at most two connections
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=self.cfg.keepalive_s),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
                                           sock_read=self.cfg.read_timeout_s),
             auto_decompress=False,  # bytes are relayed as the engine sent them, Content-Encoding included
         )
+        # health rounds on their own connections: busy request traffic cannot make a probe fail
+        self._probes = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                             timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s))
         await self._health_round()  # /health means something from the first request on
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -189,8 +217,9 @@ class Router:
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._probes):
+            if session is not None:
+                await session.close()
 
     @web.middleware
     async def _access(self, request: web.Request, handler) -> web.StreamResponse:
@@ -204,10 +233,13 @@ class Router:
             status = e.status
             raise
         except asyncio.CancelledError:
-            status, trace.note = 499, "client disconnected"  # nginx's code for it; never sent, only logged
-            self.metrics.disconnects.inc()
+            if not trace.client_gone:
+                trace.client_gone, trace.note = True, "client disconnected"
+                self.metrics.disconnects.inc()
             raise
         finally:
+            if trace.client_gone:
+                status = 499  # nginx's code for it; never sent, only logged
             route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
             self.metrics.requests.labels(route, str(status)).inc()
             access_log.info("%s %s %s %d %.1f ms id=%s prefill=%s decode=%s%s", request.remote, request.method,
@@ -228,7 +260,7 @@ class Router:
         headers = forwarded(request.headers, NOT_FORWARDED_UP)
         headers["X-Request-Id"] = trace.request_id
         kv_id = f"p2pw-{uuid.uuid4().hex}"
-        by = await self._prefill_leg(request.path, req, headers, kv_id, trace)
+        by = await self._prefill_leg(request.path_qs, req, headers, kv_id, trace)
         dec = dict(req)
         dec.pop("kv_transfer_params", None)
         if by is not None:
@@ -236,11 +268,11 @@ class Router:
             dec["kv_transfer_params"] = {"remote_prefiller": {
                 "kv_request_id": kv_id, "remote_host": host, "remote_port": port}}
         headers["Content-Type"] = "application/json"
-        return await self._relay(request, self.decode, "POST", request.path, json.dumps(dec).encode(), headers)
+        return await self._relay(request, self.decode, "POST", request.path_qs, json.dumps(dec).encode(), headers)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         headers = forwarded(request.headers, NOT_FORWARDED_UP)
-        return await self._relay(request, self.decode, "GET", request.path, None, headers)
+        return await self._relay(request, self.decode, "GET", request.path_qs, None, headers)
 
     async def health(self, _request: web.Request) -> web.Response:
         """Each instance as the last health round and the requests since saw it; 200 while a decode instance is
@@ -252,13 +284,13 @@ class Router:
                 d["worker_reachable"] = i.worker_reachable
             return d
         dec_up, pre_up = self.decode.up(), self.prefill.up()
-        status = ("ok" if len(dec_up) + len(pre_up) == len(self.instances)
+        status = ("draining" if self.draining else "ok" if len(dec_up) + len(pre_up) == len(self.instances)
                   else "degraded" if dec_up else "unavailable")
         age = None if self.health_round_at is None else round(time.monotonic() - self.health_round_at, 3)
         return web.json_response({"status": status, "health_round_age_s": age,
                                   "prefill": [view(i) for i in self.prefill.instances],
                                   "decode": [view(i) for i in self.decode.instances]},
-                                 status=200 if dec_up else 503)
+                                 status=200 if dec_up and not self.draining else 503)
 
     async def metrics_view(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
@@ -267,11 +299,12 @@ class Router:
     # ---- upstream calls -------------------------------------------------------------------------------------------
 
     def _failed(self, inst: Instance, err: UpstreamError) -> None:
+        """Count a failed call; what it does to the instance is the reason's outcome (pool.MOVES)."""
         self.metrics.upstream_errors.labels(inst.role.value, inst.name, err.reason.value).inc()
-        before = inst.record(Outcome.FAILED, time.monotonic(), str(err))
-        if before is InstanceState.UP:
+        before = inst.record(err.reason.outcome, time.monotonic(), str(err))
+        if before is InstanceState.UP and inst.state is InstanceState.DOWN:
             log.warning("%s %s taken out: %s (the health round brings it back)", inst.role.value, inst.name, err)
-        self.metrics.up.labels(inst.role.value, inst.name).set(0)
+        self.metrics.up.labels(inst.role.value, inst.name).set(1 if inst.state is InstanceState.UP else 0)
 
     def _ok(self, inst: Instance) -> None:
         if inst.record(Outcome.OK, time.monotonic()) is InstanceState.DOWN:
@@ -291,6 +324,7 @@ class Router:
         """Prefill on one instance; that instance, or None when every try failed (decode recomputes)."""
         pre = dict(req, max_tokens=1, stream=False, kv_transfer_params={"remote_decoder": {"kv_request_id": kv_id}})
         pre.pop("stream_options", None)  # only valid with stream=true
+        pre.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens (1 here)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
         data = json.dumps(pre).encode()
@@ -316,10 +350,7 @@ class Router:
             finally:
                 self._leave(inst)
             self.metrics.prefill_failures.labels(inst.name, err.reason.value).inc()
-            if err.reason is Reason.HTTP_4XX:
-                self._ok(inst)  # the instance answered; the request is what it refused
-            else:
-                self._failed(inst, err)
+            self._failed(inst, err)
             if err.reason is not Reason.UNREACHABLE:  # it may have been half done: once is enough
                 log.warning("prefill on %s failed (%s) for %s: decode recomputes", inst.name, err, trace.request_id)
                 trace.note = f"prefill {err.reason.value}, recomputed"
@@ -334,53 +365,75 @@ class Router:
 
         Only an unreachable instance is tried again elsewhere (nothing was sent).  If the instance breaks after its
         headers went out, the client's response is cut (connection closed, no final chunk): the client sees a
-        broken response, never a short one that looks complete."""
+        broken response, never a short one that looks complete.  Errors on the client's side of the relay (it
+        reset, or stopped reading for read_timeout_s) end the relay without counting against the instance."""
         trace: _Trace = request["trace"]
         tried: tuple[Instance, ...] = ()
         errors: list[str] = []
         while (inst := pool.pick(exclude=tried)) is not None:
             tried += (inst,)
+            role = inst.role.value
             trace.decode = inst.name
             self._enter(inst)
             sent = time.monotonic()
             try:
                 async with self._session.request(method, inst.url + path, data=data, headers=headers) as up:
-                    self.metrics.latency.labels(pool.instances[0].role.value, inst.name).observe(
-                        time.monotonic() - sent)
+                    self.metrics.latency.labels(role, inst.name).observe(time.monotonic() - sent)
                     if up.status >= 500:
                         self._failed(inst, UpstreamError(Reason.HTTP_5XX, f"HTTP {up.status}"))
                     else:
                         self._ok(inst)
                     resp = web.StreamResponse(status=up.status, reason=up.reason,
                                               headers=forwarded(up.headers, NOT_FORWARDED_DOWN))
-                    await resp.prepare(request)
-                    try:
-                        async for chunk in up.content.iter_any():
-                            await resp.write(chunk)
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError,
-                            asyncio.TimeoutError) as e:
-                        if request.transport is None or request.transport.is_closing():
-                            raise  # the client went first (its write failed): nothing to cut
-                        err = _classify(e)
-                        self._failed(inst, err)
-                        trace.note = f"cut: upstream {err}"
-                        log.warning("%s %s broke mid-answer (%s) for %s: client's response cut",
-                                    inst.role.value, inst.name, err, trace.request_id)
-                        request.transport.close()  # no final chunk: the client sees the break
+                    if not await self._to_client(request, resp.prepare(request)):
                         return resp
-                    await resp.write_eof()
+                    while True:
+                        try:
+                            chunk = await up.content.readany()
+                        except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # the instance broke mid-answer
+                            err = _classify(e)
+                            self._failed(inst, err)
+                            self.metrics.cut.labels(role, inst.name).inc()
+                            trace.note = f"cut: upstream {err}"
+                            log.warning("%s %s broke mid-answer (%s) for %s: client's response cut", role,
+                                        inst.name, err, trace.request_id)
+                            if request.transport is not None:
+                                request.transport.close()  # no final chunk: the client sees the break
+                            return resp
+                        if not chunk:
+                            break
+                        if not await self._to_client(request, resp.write(chunk)):
+                            return resp
+                    await self._to_client(request, resp.write_eof())
                     return resp
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # before any byte went to the client
                 err = _classify(e)
                 self._failed(inst, err)
                 errors.append(f"{inst.name}: {err}")
                 if err.reason is not Reason.UNREACHABLE:
                     status = 504 if err.reason is Reason.TIMEOUT else 502
-                    return web.json_response({"error": f"{inst.role.value} instance failed: {inst.name}: {err}"},
+                    return web.json_response({"error": f"{role} instance failed: {inst.name}: {err}"},
                                              status=status)
             finally:
                 self._leave(inst)
         return web.json_response({"error": "no instance reachable: " + "; ".join(errors)}, status=502)
+
+    async def _to_client(self, request: web.Request, write) -> bool:
+        """One write to the client, within read_timeout_s; False (and the connection dropped) if the client reset
+        or stopped reading: the instance is not at fault, and leaving the relay closes its connection (vLLM
+        aborts the request)."""
+        trace: _Trace = request["trace"]
+        try:
+            await asyncio.wait_for(write, self.cfg.read_timeout_s)
+            return True
+        except (ConnectionResetError, asyncio.TimeoutError) as e:  # aiohttp's ClientConnectionResetError is one
+            if not trace.client_gone:
+                trace.client_gone = True
+                trace.note = "client disconnected" if isinstance(e, ConnectionResetError) else "client stalled"
+                self.metrics.disconnects.inc()
+            if request.transport is not None:
+                request.transport.abort()  # a stalled client's buffered bytes are not worth waiting for
+            return False
 
     # ---- health ---------------------------------------------------------------------------------------------------
 
@@ -398,22 +451,24 @@ class Router:
 
     async def _probe(self, inst: Instance) -> None:
         """One instance's /health (200 within health_timeout_s) and, for prefill, its worker's control port
-        (accepts a TCP connection: the decode worker must reach it to fetch this engine's KV)."""
+        (accepts a TCP connection: the decode worker must reach it to fetch this engine's KV).  Any error is that
+        instance's (e.g. a host name that cannot be encoded), never the round's."""
         err = ""
         try:
-            async with self._session.get(inst.url + "/health",
-                                         timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)) as r:
+            async with self._probes.get(inst.url + "/health") as r:
                 await r.read()
                 if r.status != 200:
                     err = f"/health answered HTTP {r.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             err = f"/health: {_classify(e)}"
+        except Exception as e:  # noqa: BLE001
+            err = f"/health: {type(e).__name__}: {e}"
         if inst.worker is not None:
             try:
                 _, w = await asyncio.wait_for(asyncio.open_connection(*inst.worker), self.cfg.health_timeout_s)
                 w.close()
                 inst.worker_reachable = True
-            except (OSError, asyncio.TimeoutError) as e:
+            except Exception as e:  # noqa: BLE001  OSError, TimeoutError, UnicodeError from a bad name, ...
                 inst.worker_reachable = False
                 err = err or f"worker {inst.worker[0]}:{inst.worker[1]} unreachable: {e or type(e).__name__}"
         now = time.monotonic()
@@ -426,7 +481,7 @@ class Router:
         self.metrics.up.labels(inst.role.value, inst.name).set(1 if inst.state is InstanceState.UP else 0)
 
 
-async def _serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
+async def _serve(cfg: RouterConfig) -> None:
     router = Router(cfg)
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=cfg.shutdown_timeout_s)
@@ -441,10 +496,11 @@ async def _serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         log.info("PD router on http://%s:%d (%s): prefill %s, decode %s", cfg.host, cfg.port, cfg.policy.value,
                  ", ".join(f"{i.name} (worker {i.worker[0]}:{i.worker[1]})" for i in router.prefill.instances),
                  ", ".join(i.name for i in router.decode.instances))
-        if ready is not None:
-            ready.set()
         await stop.wait()
-        log.info("stopping: requests in flight get %.0f s", cfg.shutdown_timeout_s)
+        router.draining = True  # /health 503 from now on: a load balancer stops sending while we still serve
+        log.info("stopping: /health says draining; serving %.0f s more, then requests in flight get %.0f s",
+                 cfg.shutdown_delay_s, cfg.shutdown_timeout_s)
+        await asyncio.sleep(cfg.shutdown_delay_s)
     finally:
         await runner.cleanup()
 

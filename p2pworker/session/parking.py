@@ -89,7 +89,10 @@ class ParkingLot:
         self.parcels: dict[str, Parcel] = {}
         self.reaped = 0
         self.leases_expired = 0
-        self.leases = 0  # parcels under a lease now (the worker polls for passive progress only then)
+        self.leases = 0  # parcels under a lease now
+        # leases with rows offered: a consumer may be reading them, which over TCP moves only while we progress, so
+        # the worker polls only while this is > 0 (a consumer reads nothing before it is offered rows)
+        self.offering = 0
         self.last_offer_at = -math.inf  # when rows were last offered (the worker polls fastest right after)
         # (due, seq, parcel, lease or None): when tick() must look at a parcel (reap) or a lease (its end).  A
         # heap, so a tick costs what is due, not a walk over every parked request (invariant 8).  Stale entries
@@ -167,6 +170,8 @@ class ParkingLot:
             return
         p.lease = None
         self.leases -= 1
+        if lease.offered:
+            self.offering -= 1
         p.served = True
         now = self.clock()
         read_set = set(read)

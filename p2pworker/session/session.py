@@ -696,6 +696,8 @@ class Session:
             return
         pending = lease.pending
         keys = [k for k in (pending if candidates is None else candidates) if k in pending and k in p.rows]
+        if keys and not lease.offered:
+            self.ctx.lot.offering += 1  # its first offered rows: the worker polls while any lease has some
         for k in keys:
             del lease.pending[k]
             lease.offered[k] = p.rows[k]

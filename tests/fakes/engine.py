@@ -44,7 +44,7 @@ def main() -> None:
 
     async def complete(r: web.Request) -> web.StreamResponse:
         body = await r.json()
-        note({"event": "request", "path": r.path, "headers": dict(r.headers), "body": body})
+        note({"event": "request", "path": r.path, "query": r.query_string, "headers": dict(r.headers), "body": body})
         try:
             if mode["delay"]:
                 await asyncio.sleep(mode["delay"])

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NETNS, LOOPBACK_TCP = "netns+veth", "loopback, UCX_TLS=tcp,self"
+SAME_HOST = "one host, loopback, UCX's own transport choice (cma)"  # benchmarks' same-host baseline
 
 
 class Host:
@@ -153,18 +154,21 @@ class TwoHosts:
                 "--mount-proc", "sh", "-c", script]
 
     def start(self, blocks: int, block_bytes: int, port: int = 5710, settings: dict | None = None,
-              env: dict[str, str] | None = None, bind_any: bool = False) -> None:
-        try:
-            if os.environ.get("P2PW_HOSTS_LOOPBACK"):  # to exercise the fallback where namespaces work
-                raise OSError("$P2PW_HOSTS_LOOPBACK is set")
-            self._make()
-        except (OSError, subprocess.SubprocessError) as e:
-            self._unmake()  # only our own names: they are unique to this run
-            self.mode, self.why = LOOPBACK_TCP, (getattr(e, "stderr", "") or str(e)).strip()
-            self.ips = ("127.0.0.1", "127.0.0.1")
-            warnings.warn(f"emulated hosts unavailable ({self.why}): running on loopback with UCX_TLS=tcp,self")
+              env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False) -> None:
+        if same_host:  # not emulated at all: both on this host's loopback, as every same-host figure is taken
+            self.mode, self.ips = SAME_HOST, ("127.0.0.1", "127.0.0.1")
+        else:
+            try:
+                if os.environ.get("P2PW_HOSTS_LOOPBACK"):  # to exercise the fallback where namespaces work
+                    raise OSError("$P2PW_HOSTS_LOOPBACK is set")
+                self._make()
+            except (OSError, subprocess.SubprocessError) as e:
+                self._unmake()  # only our own names: they are unique to this run
+                self.mode, self.why = LOOPBACK_TCP, (getattr(e, "stderr", "") or str(e)).strip()
+                self.ips = ("127.0.0.1", "127.0.0.1")
+                warnings.warn(f"emulated hosts unavailable ({self.why}): running on loopback with UCX_TLS=tcp,self")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "P2PWORKER_SECRET": "emulated-hosts", **(env or {})}
-        if self.mode != NETNS:
+        if self.mode == LOOPBACK_TCP:
             env["UCX_TLS"] = "tcp,self"
         for i, name in enumerate(("a", "b")):
             host = Host(name, self.ips[i], self._argv(i), env, self.log_dir / f"host-{name}.log")
@@ -197,15 +201,22 @@ class TwoHosts:
 
     def enter(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` run inside host ``i`` (its network, mount, PID and IPC namespaces; nsenter forks, so the
-        command's children live in the host's PID namespace and die with it)."""
+        command's children live in the host's PID namespace and die with it); on the loopback fallback, here."""
+        if self.mode != NETNS:
+            return argv
         return ["nsenter", "-t", str(self.init_pids[i]), "-n", "-m", "-p", "-i", "--", *argv]
 
     def make(self) -> None:
+        """The namespaces and the wire, for :meth:`hold`; where refused (or $P2PW_HOSTS_LOOPBACK is set), mode
+        becomes the loopback fallback and the caller runs both hosts' commands here with UCX_TLS=tcp,self."""
         try:
+            if os.environ.get("P2PW_HOSTS_LOOPBACK"):
+                raise OSError("$P2PW_HOSTS_LOOPBACK is set")
             self._make()
         except (OSError, subprocess.SubprocessError) as e:
             self._unmake()
             self.mode, self.why = LOOPBACK_TCP, (getattr(e, "stderr", "") or str(e)).strip()
+            self.ips = ("127.0.0.1", "127.0.0.2")  # two loopback addresses: each role still binds its own
 
     def release(self) -> list[str]:
         """End the holders (every process left in a host's PID namespace dies with its pid 1), then the
@@ -240,13 +251,13 @@ class TwoHosts:
 
 @contextlib.contextmanager
 def two_hosts(tag: str, log_dir: Path, blocks: int, block_bytes: int, settings: dict | None = None,
-              env: dict[str, str] | None = None, bind_any: bool = False):
+              env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False):
     """Two emulated hosts with agents started; both workers must exit 0 (unless the test took a death into
     account: ``hosts.died``) and nothing may be left behind."""
     hosts = TwoHosts(tag, log_dir)
     t0 = time.monotonic()
     try:
-        hosts.start(blocks, block_bytes, settings=settings, env=env, bind_any=bind_any)
+        hosts.start(blocks, block_bytes, settings=settings, env=env, bind_any=bind_any, same_host=same_host)
         print(f"emulated hosts: {hosts.mode}{' (' + hosts.why.strip() + ')' if hosts.why else ''}; "
               f"up in {time.monotonic() - t0:.1f} s; data backend {hosts.a.backend}")
         yield hosts

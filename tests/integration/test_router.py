@@ -4,15 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
+import signal
 import socket
+import struct
 import time
 
 import aiohttp
 import pytest
 
-from p2pworker.router.pool import MOVES, Instance, InstanceState, Outcome, Policy, Pool, Role, parse_instance
+from p2pworker.router.pool import (ERRORS_TO_DOWN, MOVES, Instance, InstanceState, Outcome, Policy, Pool, Role,
+                                   parse_instance)
+from p2pworker.router.server import Reason
 from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router
 from tests.ports import free_port
 
@@ -62,12 +67,37 @@ def _wait(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
+def _read_until(s: socket.socket, marker: bytes, timeout_s: float = 10.0) -> bytes:
+    s.settimeout(timeout_s)
+    got = b""
+    while marker not in got:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before {marker!r}: {got[-200:]!r}"
+        got += chunk
+    return got
+
+
 # ---- the pool (sans-IO) -------------------------------------------------------------------------------------------
 
 def test_moves_table_covers_every_state_and_outcome_and_only_health_or_success_brings_back():
     assert set(MOVES) == {(s, o) for s in InstanceState for o in Outcome}
     assert all(MOVES[(s, Outcome.FAILED)] is InstanceState.DOWN for s in InstanceState)
     assert all(MOVES[(s, Outcome.OK)] is InstanceState.UP for s in InstanceState)
+    assert all(MOVES[(s, Outcome.ERROR)] is s for s in InstanceState)  # alone, an error moves nothing
+
+
+def test_errors_take_an_instance_out_only_several_in_a_row_and_reasons_map_to_outcomes():
+    i = Instance(Role.DECODE, "http://h:1")
+    for _ in range(ERRORS_TO_DOWN - 1):
+        i.record(Outcome.ERROR, now=1.0, error="HTTP 500")
+    i.record(Outcome.OK, now=2.0)  # an answer in between starts the count again
+    for _ in range(ERRORS_TO_DOWN - 1):
+        assert i.record(Outcome.ERROR, now=3.0) is InstanceState.UP and i.state is InstanceState.UP
+    i.record(Outcome.ERROR, now=4.0, error="HTTP 503")
+    assert i.state is InstanceState.DOWN and (i.last_error, i.failed_at) == ("HTTP 503", 4.0)
+    assert {r: r.outcome for r in Reason} == {
+        Reason.UNREACHABLE: Outcome.FAILED, Reason.DISCONNECTED: Outcome.FAILED, Reason.TIMEOUT: Outcome.ERROR,
+        Reason.HTTP_5XX: Outcome.ERROR, Reason.HTTP_4XX: Outcome.OK}
 
 
 def test_pool_picks_least_in_flight_rotates_ties_and_falls_back_to_the_oldest_failure():
@@ -82,6 +112,7 @@ def test_pool_picks_least_in_flight_rotates_ties_and_falls_back_to_the_oldest_fa
     c.record(Outcome.FAILED, now=6.0)
     assert pool.pick() is b  # none up: the one that failed longest ago
     assert pool.pick(exclude=(a, b, c)) is None
+    assert Pool([a, b, c], fallback_to_down=False).pick() is None  # prefill: recompute rather than wait
     rr = Pool([Instance(Role.DECODE, "http://h:1", in_flight=9), Instance(Role.DECODE, "http://h:2")],
               Policy.ROUND_ROBIN)
     assert [rr.pick().url for _ in range(2)] == ["http://h:1", "http://h:2"]  # in-flight counts ignored
@@ -129,7 +160,7 @@ def test_prefill_then_decode_with_matching_params_and_every_end_to_end_header(fl
     assert p2["body"]["kv_transfer_params"]["remote_decoder"]["kv_request_id"] != kv_id  # fresh per request
     rid = {k.lower(): v for k, v in p2["headers"].items()}["x-request-id"]  # none given: one made, both see it
     assert rid and rid == {k.lower(): v for k, v in d2["headers"].items()}["x-request-id"]
-    assert f"id={rid}" in r.log.read_text()  # the access log names it
+    _wait(lambda: f"id={rid}" in r.log.read_text(), what="the access log names it")  # written after the answer
 
 
 def test_streaming_answer_is_relayed_as_it_comes_and_intact(fleet):
@@ -207,21 +238,130 @@ def test_least_in_flight_steers_around_a_busy_instance(fleet):
 
 # ---- failures -----------------------------------------------------------------------------------------------------
 
-def test_failed_prefill_recomputes_takes_the_instance_out_and_the_health_round_brings_it_back(fleet):
+def test_failing_prefill_recomputes_is_taken_out_after_errors_in_a_row_and_the_health_round_brings_it_back(fleet):
     pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
     r = fleet.router([_prefill(pre, w)], [dec.url], "--health-interval", "0.5")
-    pre.mode(status=500)
-    status, _, body = r.request("POST", "/v1/completions", {"prompt": "p"})
-    assert status == 200 and "kv_transfer_params" not in dec.seen()[0]["body"]  # decode recomputed
+    pre.mode(status=500, health=503)  # failing requests, and its /health says so: it stays out
+    for i in range(ERRORS_TO_DOWN):
+        status, _, body = r.request("POST", "/v1/completions", {"prompt": "p"})
+        assert status == 200 and "kv_transfer_params" not in dec.seen()[i]["body"]  # decode recomputed
+        assert r.health()[1]["prefill"][0]["state"] == ("down" if i == ERRORS_TO_DOWN - 1 else "up")
     status, h = r.health()
-    assert status == 200 and h["status"] == "degraded"
-    assert h["prefill"][0]["state"] == "down" and "HTTP 500" in h["prefill"][0]["last_error"]
-    assert r.metric("p2pworker_router_prefill_failures_total", instance=pre.url[7:], reason="http_5xx") == 1
-    pre.mode(status=200)
+    assert status == 200 and h["status"] == "degraded" and "HTTP 500" in h["prefill"][0]["last_error"]
+    assert r.metric("p2pworker_router_prefill_failures_total", instance=pre.url[7:],
+                    reason="http_5xx") == ERRORS_TO_DOWN
+    t0 = time.monotonic()  # down: the next request recomputes without trying it
+    assert r.request("POST", "/v1/completions", {"prompt": "p"})[0] == 200
+    assert len(pre.seen()) == ERRORS_TO_DOWN and time.monotonic() - t0 < 1.0
+    pre.mode(status=200, health=200)
     _wait(lambda: r.health()[1]["prefill"][0]["state"] == "up", what="prefill back after a health round")
     r.request("POST", "/v1/completions", {"prompt": "p"})
-    assert "remote_prefiller" in dec.seen()[1]["body"]["kv_transfer_params"]
+    assert "remote_prefiller" in dec.seen()[-1]["body"]["kv_transfer_params"]
     assert "health round passed" in r.log.read_text()
+
+
+def test_a_host_that_does_not_accept_is_skipped_after_the_connect_timeout(fleet):
+    """An instance that stops completing connections (like a host gone from the network: here a listener whose
+    backlog is full) fails the connect timeout, which is 'unreachable': nothing was sent, so the next instance
+    takes the request."""
+    first, live, pre, w = fleet.engine("d1"), fleet.engine("d2"), fleet.engine("p1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [first.url, live.url], "--connect-timeout", "0.5", "--health-interval",
+                     "60")  # d1 passed the first health round and stays up in the pool
+    first.kill()
+    dead = socket.socket()
+    dead.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    dead.bind(("127.0.0.1", first.port))
+    dead.listen(0)
+    filler = socket.create_connection(("127.0.0.1", first.port))  # fills the one-connection backlog
+    try:
+        t0 = time.monotonic()
+        status, _, body = r.request("POST", "/v1/completions", {"prompt": "p"})  # d1 first in rotation
+        took = time.monotonic() - t0
+        assert status == 200 and json.loads(body)["engine"] == "d2", body
+        assert 0.4 < took < 3.0, took  # one connect timeout, then d2
+        assert r.metric("p2pworker_router_upstream_errors_total", role="decode", instance=first.url[7:],
+                        reason="unreachable") == 1
+        assert r.health()[1]["decode"][0]["state"] == "down"
+    finally:
+        filler.close()
+        dead.close()
+
+
+def test_clients_that_reset_mid_stream_do_not_count_against_the_instance(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1", tokens=20000, token_delay=0.0), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url])
+    body = json.dumps({"prompt": "s", "stream": True}).encode()
+    for _ in range(3):  # waves of 15 clients that read their first event, then reset together
+        socks = []
+        for _ in range(15):
+            s = socket.create_connection(("127.0.0.1", r.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            socks.append(s)
+        for s in socks:
+            _read_until(s, b"data:")
+        for s in socks:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            s.close()
+    _wait(lambda: r.metric("p2pworker_router_in_flight", role="decode", instance=dec.url[7:]) == 0,
+          what="relays ended")
+    status, h = r.health()
+    assert status == 200 and h["decode"][0]["state"] == "up", h
+    assert r.metric("p2pworker_router_client_disconnects_total") == 45
+    for reason in Reason:
+        assert r.metric("p2pworker_router_upstream_errors_total", role="decode", instance=dec.url[7:],
+                        reason=reason.value) == 0
+    assert r.request("POST", "/v1/completions", {"prompt": "after"})[0] == 200
+    assert "Error handling request" not in r.log.read_text()
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_read_timeout(fleet):
+    """Invariant 4 on the client's side: a client that takes nothing holds its decode connection only for
+    --read-timeout, and that is not the instance's fault."""
+    pre, w = fleet.engine("p1"), fleet.worker()
+    dec = fleet.engine("d1", tokens=400000, token_delay=0.0)  # ~12 MB of events: more than the sockets buffer
+    r = fleet.router([_prefill(pre, w)], [dec.url], "--read-timeout", "1")
+    body = json.dumps({"prompt": "s", "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", r.port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:  # and now read nothing
+        _wait(lambda: r.metric("p2pworker_router_client_disconnects_total") == 1, 15.0, "stalled client dropped")
+        _wait(lambda: r.metric("p2pworker_router_in_flight", role="decode", instance=dec.url[7:]) == 0,
+              what="its decode call ended")
+        _wait(lambda: [e["path"] for e in dec.seen("disconnect")] == ["/v1/completions"], 5.0,
+              "decode engine saw the router go")
+        assert r.health()[1]["decode"][0]["state"] == "up"
+        assert r.metric("p2pworker_router_upstream_errors_total", role="decode", instance=dec.url[7:],
+                        reason="timeout") == 0
+        _wait(lambda: "client stalled" in r.log.read_text(), what="access log says why")
+    finally:
+        s.close()
+
+
+def test_prefill_leg_drops_min_tokens_and_query_and_a_compressed_body_reach_the_engines(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url])
+    raw = json.dumps({"prompt": "z", "max_tokens": 9, "min_tokens": 4}).encode()
+    status, _, _ = r.request("POST", "/v1/completions?trace=1", gzip.compress(raw),
+                             headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert status == 200
+    (p,), (d,) = pre.seen(), dec.seen()
+    assert "min_tokens" not in p["body"] and d["body"]["min_tokens"] == 4  # vLLM refuses min_tokens > max_tokens
+    assert p["path"] == d["path"] == "/v1/completions" and p["query"] == d["query"] == "trace=1"
+    for seen in (p, d):  # the router sends plain JSON: a Content-Encoding would lie about it
+        assert "content-encoding" not in {k.lower() for k in seen["headers"]}
+
+
+def test_sigterm_drains_health_says_503_while_requests_are_still_served(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url], "--shutdown-delay", "2")
+    r.proc.send_signal(signal.SIGTERM)
+    _wait(lambda: r.health()[0] == 503, 2.0, "health says draining")
+    assert r.health()[1]["status"] == "draining"
+    assert r.request("POST", "/v1/completions", {"prompt": "p"})[0] == 200  # still served meanwhile
+    assert r.proc.wait(10) == 0
 
 
 def test_an_unreachable_instance_is_skipped_without_losing_the_request(fleet):
@@ -253,7 +393,7 @@ def test_a_prefill_whose_worker_is_unreachable_is_taken_out(fleet):
     assert h["prefill"][1]["state"] == "down" and h["prefill"][1]["worker_reachable"] is False
     assert f"worker 127.0.0.1:{dead_worker} unreachable" in h["prefill"][1]["last_error"]
     for i in range(3):
-        r.request("POST", "/v1/completions", {"prompt": f"q{i}"})
+        assert r.request("POST", "/v1/completions", {"prompt": f"q{i}"})[0] == 200
     assert (len(pres[0].seen()), len(pres[1].seen())) == (3, 0)
 
 
@@ -284,7 +424,7 @@ def test_client_disconnect_cancels_the_upstream_requests(fleet):
     body = json.dumps({"prompt": "s", "stream": True}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"X-Request-Id: gone-1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    assert b"data:" in s.recv(65536) or b"data:" in s.recv(65536)
+    _read_until(s, b"data:")
     s.close()
     _wait(lambda: [e["request_id"] for e in dec.seen("disconnect")] == ["gone-1"], 3.0,
           "decode engine saw the disconnect")

@@ -121,6 +121,9 @@ def test_router_args_are_what_the_router_accepts_and_point_at_the_services():
     for flag, value in zip(args, args[1:]):
         {"--prefill": prefill, "--decode": decode}.get(flag, []).append(value)
     Router(RouterConfig(prefill=tuple(prefill), decode=tuple(decode)))  # raises on a spec it would refuse
+    flag = dict(zip(args[::2], args[1::2]))
+    grace = _by_kind("Deployment")["p2pworker-router"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > float(flag["--shutdown-delay"]) + float(flag["--shutdown-timeout"])  # not killed mid-drain
     svcs = _by_kind("Service")
     for spec, role in [(p, Role.PREFILL) for p in prefill] + [(d, Role.DECODE) for d in decode]:
         inst = parse_instance(role, spec, 5710)

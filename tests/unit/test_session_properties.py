@@ -174,6 +174,10 @@ class Model:
     def check(self) -> None:
         p = self.p
         a = p.a
+        for lot in (a.lot, p.b.lot):  # the counts the worker's polling reads (worker.poll_timeout_s)
+            leased = [q.lease for q in lot.parcels.values() if q.lease is not None]
+            assert lot.leases == len(leased) and lot.offering == sum(1 for x in leased if x.offered), \
+                (lot.leases, lot.offering, [(len(x.offered)) for x in leased])
         for ev in a.events() + p.b.events():
             if not isinstance(ev, JobDone):
                 continue
