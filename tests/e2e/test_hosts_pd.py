@@ -101,8 +101,9 @@ def test_pd_pair_on_two_emulated_hosts_answers_like_one_engine_with_kv_over_the_
             assert served == n // BLOCK * BLOCK, f"{n} tokens: decode took {served} from P2P"
             if hosts.mode == NETNS:  # the KV left host A over its veth (its other traffic is small)
                 assert wire >= served * KV_BYTES_PER_TOKEN, (n, wire, served * KV_BYTES_PER_TOKEN)
-            print(f"{n} tokens: {served:.0f} from P2P, {wire} B sent by host A (KV >= "
-                  f"{served * KV_BYTES_PER_TOKEN:.0f} B), logprob diff {worst:.1e}")
+            sent = f"{wire} B sent by host A's veth" if hosts.mode == NETNS else "no veth (loopback fallback)"
+            print(f"{n} tokens: {served:.0f} from P2P, {sent}, KV >= {served * KV_BYTES_PER_TOKEN:.0f} B, "
+                  f"logprob diff {worst:.1e}")
     finally:
         for i in range(len(hosts.init_pids) if hosts.mode == NETNS else 2):
             stops.append(subprocess.run(hosts.enter(i, [os.path.join(ROOT, "scripts", "pd.sh"), "stop"]),
