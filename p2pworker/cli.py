@@ -254,12 +254,12 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
 @click.option("--health-interval", type=float, default=5.0, show_default=True,
               help="Seconds between health rounds (each instance's /health, each prefill worker's port).")
 @click.option("--health-timeout", type=float, default=2.0, show_default=True)
-@click.option("--max-body-mib", type=int, default=0, show_default=True,
-              help="Largest request body accepted; 0: no limit (vLLM has none: a prompt as 1M token ids is ~7 MiB).")
+@click.option("--max-body-mib", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Largest request body accepted (a prompt of 1M token ids is ~7 MiB of JSON); 0: no limit.")
 @click.option("--shutdown-delay", type=float, default=0.0, show_default=True,
               help="On SIGTERM, seconds to go on serving while /health says 503 (draining), so that a load "
                    "balancer takes the router out first.")
-@click.option("--shutdown-timeout", type=float, default=30.0, show_default=True,
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
               help="Then seconds for requests in flight to finish before they are cut.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", show_default=True,
               help="INFO includes one access-log line per request.")

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
+import errno
 import logging
+import os
 import signal
 import time
 import uuid
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+import msgspec
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -39,6 +41,7 @@ from p2pworker.control.base import DEFAULT_PORT
 from p2pworker.router.pool import Instance, InstanceState, Outcome, Policy, Pool, Role, parse_instance
 
 log = logging.getLogger("p2pworker.router")
+_decode, _encode = msgspec.json.Decoder().decode, msgspec.json.Encoder().encode
 access_log = logging.getLogger("p2pworker.router.access")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -59,10 +62,13 @@ class Reason(enum.Enum):
     DISCONNECTED = "disconnected"  # the connection broke after the request was sent
     HTTP_5XX = "http_5xx"
     HTTP_4XX = "http_4xx"  # the request's fault, not the instance's (prefill leg only: decode's 4xx is relayed)
+    LOCAL = "local"  # this router ran out of file descriptors, ports or buffers: nothing about the instance
 
     @property
-    def outcome(self) -> Outcome:
-        """What it says about the instance (pool.MOVES)."""
+    def outcome(self) -> Outcome | None:
+        """What it says about the instance (pool.MOVES); None: nothing."""
+        if self is Reason.LOCAL:
+            return None
         if self in (Reason.UNREACHABLE, Reason.DISCONNECTED):
             return Outcome.FAILED  # the process or its host is gone
         if self is Reason.HTTP_4XX:
@@ -76,8 +82,14 @@ class UpstreamError(Exception):
         self.reason, self.detail = reason, detail
 
 
+# errno of a failed connect that is this process's or this host's shortage, not the instance's absence
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.ENOBUFS, errno.ENOMEM})
+
+
 def _classify(e: BaseException) -> UpstreamError:
-    # ConnectionTimeoutError: no connection within sock_connect (it is a TimeoutError too: test it first)
+    if isinstance(e, aiohttp.ClientConnectorError) and e.os_error.errno in LOCAL_ERRNOS:
+        return UpstreamError(Reason.LOCAL, str(e))
+    # ConnectionTimeoutError: no connection within the connect timeout (it is a TimeoutError too: test it first)
     if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
         return UpstreamError(Reason.UNREACHABLE, str(e) or type(e).__name__)
     if isinstance(e, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
@@ -107,7 +119,9 @@ class RouterConfig:
     #                                wait for a client to take the next piece of its answer
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0  # one instance's /health, one worker's TCP connect
-    max_body_bytes: int = 0  # 0: no limit (vLLM has none; a 1M-token prompt as token ids is ~7 MiB of JSON)
+    # far above any valid vLLM job (a 1M-token prompt as token ids is ~7 MiB of JSON), low enough that one client
+    # cannot take the router's memory; 0: no limit
+    max_body_bytes: int = 256 << 20
     default_worker_port: int = DEFAULT_PORT
     keepalive_s: float = 4.0  # idle pooled connections are closed before uvicorn's 5 s (vLLM's default) closes them
     shutdown_delay_s: float = 0.0  # on SIGTERM: /health says 503 and requests are still served this long
@@ -203,8 +217,9 @@ class Router:
             # no pool limit: a request never waits for a free connection (aiohttp counts that wait in its connect
             # timeout, so a busy pool would look like dead instances); each client holds at most two connections
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=self.cfg.keepalive_s),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
-                                          sock_read=self.cfg.read_timeout_s),
+            # connect: name lookup + TCP connect (no pool wait: no pool limit); sock_read: silence mid-answer
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s,
+                                          sock_connect=self.cfg.connect_timeout_s, sock_read=self.cfg.read_timeout_s),
             auto_decompress=False,  # bytes are relayed as the engine sent them, Content-Encoding included
         )
         # health rounds on their own connections: busy request traffic cannot make a probe fail
@@ -228,12 +243,16 @@ class Router:
         try:
             resp = await handler(request)
             status = resp.status
+            if self.draining and not resp.prepared:
+                resp.force_close()  # Connection: close: the client's next request goes to another router
             return resp
         except web.HTTPException as e:
             status = e.status
             raise
         except asyncio.CancelledError:
-            if not trace.client_gone:
+            if self.draining:
+                trace.note = "cut by the router's shutdown"
+            elif not trace.client_gone:
                 trace.client_gone, trace.note = True, "client disconnected"
                 self.metrics.disconnects.inc()
             raise
@@ -252,10 +271,10 @@ class Router:
         trace: _Trace = request["trace"]
         body = await request.read()  # over max_body_bytes: aiohttp answers 413 itself
         try:
-            req = json.loads(body)
+            req = _decode(body)  # msgspec: several times faster than json on a 7 MiB token-id prompt
             if not isinstance(req, dict):
                 raise ValueError("not a JSON object")
-        except ValueError as e:
+        except (ValueError, msgspec.DecodeError) as e:
             return web.json_response({"error": f"invalid JSON body: {e}"}, status=400)
         headers = forwarded(request.headers, NOT_FORWARDED_UP)
         headers["X-Request-Id"] = trace.request_id
@@ -268,7 +287,7 @@ class Router:
             dec["kv_transfer_params"] = {"remote_prefiller": {
                 "kv_request_id": kv_id, "remote_host": host, "remote_port": port}}
         headers["Content-Type"] = "application/json"
-        return await self._relay(request, self.decode, "POST", request.path_qs, json.dumps(dec).encode(), headers)
+        return await self._relay(request, self.decode, "POST", request.path_qs, _encode(dec), headers)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         headers = forwarded(request.headers, NOT_FORWARDED_UP)
@@ -301,6 +320,9 @@ class Router:
     def _failed(self, inst: Instance, err: UpstreamError) -> None:
         """Count a failed call; what it does to the instance is the reason's outcome (pool.MOVES)."""
         self.metrics.upstream_errors.labels(inst.role.value, inst.name, err.reason.value).inc()
+        if err.reason.outcome is None:
+            log.warning("%s %s: %s (not held against it)", inst.role.value, inst.name, err)
+            return
         before = inst.record(err.reason.outcome, time.monotonic(), str(err))
         if before is InstanceState.UP and inst.state is InstanceState.DOWN:
             log.warning("%s %s taken out: %s (the health round brings it back)", inst.role.value, inst.name, err)
@@ -310,6 +332,17 @@ class Router:
         if inst.record(Outcome.OK, time.monotonic()) is InstanceState.DOWN:
             log.info("%s %s back: it answered a request", inst.role.value, inst.name)
         self.metrics.up.labels(inst.role.value, inst.name).set(1)
+
+    async def _send(self, method: str, url: str, data: bytes | None,
+                    headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
+        """The request, up to its response headers (the caller releases the response).  A pooled connection the
+        instance closed while idle (a keep-alive ending as the request goes out) fails before any header: once more
+        then, on another connection; an instance that is really gone refuses that one (unreachable)."""
+        try:
+            return await self._session.request(method, url, data=data, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            log.debug("%s %s: pooled connection closed under the request; once more", method, url)
+            return await self._session.request(method, url, data=data, headers=headers)
 
     def _enter(self, inst: Instance) -> None:
         inst.in_flight += 1
@@ -327,7 +360,7 @@ class Router:
         pre.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens (1 here)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
-        data = json.dumps(pre).encode()
+        data = _encode(pre)
         headers = CIMultiDict(headers)
         headers["Content-Type"] = "application/json"  # replaces the client's (CIMultiDict(h, **kw) would add one)
         tried: tuple[Instance, ...] = ()
@@ -337,7 +370,7 @@ class Router:
             self._enter(inst)
             sent = time.monotonic()
             try:
-                async with self._session.post(inst.url + path, data=data, headers=headers) as r:
+                async with await self._send("POST", inst.url + path, data, headers) as r:
                     self.metrics.latency.labels(Role.PREFILL.value, inst.name).observe(time.monotonic() - sent)
                     detail = (await r.read())[:300].decode(errors="replace")
                     if r.status == 200:
@@ -377,7 +410,7 @@ class Router:
             self._enter(inst)
             sent = time.monotonic()
             try:
-                async with self._session.request(method, inst.url + path, data=data, headers=headers) as up:
+                async with await self._send(method, inst.url + path, data, headers) as up:
                     self.metrics.latency.labels(role, inst.name).observe(time.monotonic() - sent)
                     if up.status >= 500:
                         self._failed(inst, UpstreamError(Reason.HTTP_5XX, f"HTTP {up.status}"))
@@ -385,6 +418,8 @@ class Router:
                         self._ok(inst)
                     resp = web.StreamResponse(status=up.status, reason=up.reason,
                                               headers=forwarded(up.headers, NOT_FORWARDED_DOWN))
+                    if self.draining:
+                        resp.force_close()  # Connection: close: the client's next request goes to another router
                     if not await self._to_client(request, resp.prepare(request)):
                         return resp
                     while True:
@@ -397,8 +432,11 @@ class Router:
                             trace.note = f"cut: upstream {err}"
                             log.warning("%s %s broke mid-answer (%s) for %s: client's response cut", role,
                                         inst.name, err, trace.request_id)
-                            if request.transport is not None:
-                                request.transport.close()  # no final chunk: the client sees the break
+                            transport = request.transport
+                            if transport is not None:
+                                transport.close()  # no final chunk: the client sees the break
+                                # what the client has not taken yet gets read_timeout_s, like any write
+                                asyncio.get_running_loop().call_later(self.cfg.read_timeout_s, transport.abort)
                             return resp
                         if not chunk:
                             break
@@ -411,7 +449,7 @@ class Router:
                 self._failed(inst, err)
                 errors.append(f"{inst.name}: {err}")
                 if err.reason is not Reason.UNREACHABLE:
-                    status = 504 if err.reason is Reason.TIMEOUT else 502
+                    status = {Reason.TIMEOUT: 504, Reason.LOCAL: 503}.get(err.reason, 502)
                     return web.json_response({"error": f"{role} instance failed: {inst.name}: {err}"},
                                              status=status)
             finally:
@@ -424,7 +462,8 @@ class Router:
         aborts the request)."""
         trace: _Trace = request["trace"]
         try:
-            await asyncio.wait_for(write, self.cfg.read_timeout_s)
+            async with asyncio.timeout(self.cfg.read_timeout_s):  # no task per write, unlike wait_for on 3.11
+                await write
             return True
         except (ConnectionResetError, asyncio.TimeoutError) as e:  # aiohttp's ClientConnectionResetError is one
             if not trace.client_gone:
@@ -483,16 +522,26 @@ class Router:
 
 async def _serve(cfg: RouterConfig) -> None:
     router = Router(cfg)
+    # aiohttp's shutdown waits its timeout for handlers, then (having poisoned their request bodies) once more before
+    # cancelling them: half of ours each, so that requests in flight are cut after shutdown_timeout_s in all
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.shutdown_timeout_s)
+                           shutdown_timeout=cfg.shutdown_timeout_s / 2)
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():  # a second signal: the operator does not want to wait for the drain
+                log.warning("%s during the drain: exiting now", sig.name)
+                logging.shutdown()
+                os._exit(1)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         log.info("PD router on http://%s:%d (%s): prefill %s, decode %s", cfg.host, cfg.port, cfg.policy.value,
                  ", ".join(f"{i.name} (worker {i.worker[0]}:{i.worker[1]})" for i in router.prefill.instances),
                  ", ".join(i.name for i in router.decode.instances))
@@ -503,6 +552,7 @@ async def _serve(cfg: RouterConfig) -> None:
         await asyncio.sleep(cfg.shutdown_delay_s)
     finally:
         await runner.cleanup()
+        log.info("stopped")
 
 
 def serve(cfg: RouterConfig) -> None:

@@ -152,6 +152,13 @@ class ParkingLot:
         return None
 
     # ------------------------------------------------------------ leases
+    def offering_starts(self, lease: Lease, now: float) -> None:
+        """Rows of ``lease`` are about to be offered: count the lease among those with offered rows (once) and
+        note when (the worker polls fastest right after an offer)."""
+        if not lease.offered:
+            self.offering += 1
+        self.last_offer_at = now
+
     def bind(self, p: Parcel, lease: Lease) -> None:
         if p.lease is not None:
             raise ValueError(f"parcel {p.request_id!r} is leased already (round {p.lease.round})")

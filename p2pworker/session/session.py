@@ -696,18 +696,16 @@ class Session:
             return
         pending = lease.pending
         keys = [k for k in (pending if candidates is None else candidates) if k in pending and k in p.rows]
-        if keys and not lease.offered:
-            self.ctx.lot.offering += 1  # its first offered rows: the worker polls while any lease has some
+        now = self.ctx.clock()
+        if keys:
+            self.ctx.lot.offering_starts(lease, now)
         for k in keys:
             del lease.pending[k]
             lease.offered[k] = p.rows[k]
-        now = self.ctx.clock()
         # While Fetch parts are still coming, "nothing pending" or "request finished" says nothing about their keys.
         final = (not lease.more and (not lease.pending or p.finished)) or now >= lease.offer_until
         if not keys and not final:
             return
-        if keys:
-            self.ctx.lot.last_offer_at = now
         reason = ""
         if final and lease.pending:
             reason = ("request finished before every key was stored" if p.finished

@@ -51,8 +51,8 @@ def test_kv_blocks_cross_the_wire_byte_exact(tmp_path):
             took, wire = time.monotonic() - t0, hosts.wire_bytes() - wire0
             assert rep["success"], rep
             assert same_bytes(hosts, list(range(n)), list(range(256, 256 + n))), f"{req}: bytes differ"
-            if hosts.mode == NETNS:  # the bytes crossed the veth (not cross-memory attach between the processes)
-                assert wire >= n * BLOCK, f"{req}: only {wire} bytes left host a on its veth for {n * BLOCK}"
+            # the bytes crossed the veth (on the fallback, the loopback: TCP), not cross-memory attach
+            assert wire >= n * BLOCK, f"{req}: only {wire} bytes left host a ({hosts.mode}) for {n * BLOCK}"
             print(f"{hosts.mode}: {n} x 256 KiB in {took * 1e3:.0f} ms (store to report, "
                   f"{n * BLOCK / took / 1e9:.2f} GB/s)")
 

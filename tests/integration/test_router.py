@@ -4,20 +4,23 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gzip
 import http.client
 import json
+import os
 import signal
 import socket
 import struct
 import time
+import types
 
 import aiohttp
 import pytest
 
 from p2pworker.router.pool import (ERRORS_TO_DOWN, MOVES, Instance, InstanceState, Outcome, Policy, Pool, Role,
                                    parse_instance)
-from p2pworker.router.server import Reason
+from p2pworker.router.server import Reason, _classify
 from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router
 from tests.ports import free_port
 
@@ -97,7 +100,16 @@ def test_errors_take_an_instance_out_only_several_in_a_row_and_reasons_map_to_ou
     assert i.state is InstanceState.DOWN and (i.last_error, i.failed_at) == ("HTTP 503", 4.0)
     assert {r: r.outcome for r in Reason} == {
         Reason.UNREACHABLE: Outcome.FAILED, Reason.DISCONNECTED: Outcome.FAILED, Reason.TIMEOUT: Outcome.ERROR,
-        Reason.HTTP_5XX: Outcome.ERROR, Reason.HTTP_4XX: Outcome.OK}
+        Reason.HTTP_5XX: Outcome.ERROR, Reason.HTTP_4XX: Outcome.OK, Reason.LOCAL: None}
+
+
+def test_a_connect_that_fails_for_want_of_local_resources_is_not_the_instance_absence():
+    key = types.SimpleNamespace(host="h", port=1, ssl=True, is_ssl=False)
+    for code in (errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.ENOBUFS):
+        assert _classify(aiohttp.ClientConnectorError(key, OSError(code, os.strerror(code)))).reason is Reason.LOCAL
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    assert _classify(refused).reason is Reason.UNREACHABLE
+    assert _classify(aiohttp.ServerDisconnectedError()).reason is Reason.DISCONNECTED
 
 
 def test_pool_picks_least_in_flight_rotates_ties_and_falls_back_to_the_oldest_failure():
@@ -141,7 +153,7 @@ def test_prefill_then_decode_with_matching_params_and_every_end_to_end_header(fl
          "kv_transfer_params": {"remote_prefiller": {"remote_host": "evil"}}},  # the client's own is replaced
         headers={"Authorization": "Bearer sk-1", "X-Request-Id": "req-42", "X-Custom": "kept",
                  "Connection": "keep-alive, X-Hop", "X-Hop": "dropped", "Proxy-Authorization": "dropped",
-                 "Keep-Alive": "timeout=5"})
+                 "Keep-Alive": "timeout=5", "Expect": "100-continue"})
     assert status == 200, body
     (p,), (d,) = pre.seen(), dec.seen()
     assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False and "stream_options" not in p["body"]
@@ -152,7 +164,7 @@ def test_prefill_then_decode_with_matching_params_and_every_end_to_end_header(fl
     for seen in (p, d):
         h = {k.lower(): v for k, v in seen["headers"].items()}
         assert (h["authorization"], h["x-request-id"], h["x-custom"]) == ("Bearer sk-1", "req-42", "kept")
-        assert not {"x-hop", "proxy-authorization", "keep-alive"} & set(h), h
+        assert not {"x-hop", "proxy-authorization", "keep-alive", "expect"} & set(h), h
     assert json.loads(body)["engine"] == "d1"
     assert {k.lower(): v for k, v in headers.items()}["x-request-id"] == "req-42"  # the engine's headers come back
     r.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
@@ -336,6 +348,7 @@ def test_a_client_that_stops_reading_is_dropped_after_the_read_timeout(fleet):
         assert r.metric("p2pworker_router_upstream_errors_total", role="decode", instance=dec.url[7:],
                         reason="timeout") == 0
         _wait(lambda: "client stalled" in r.log.read_text(), what="access log says why")
+        assert "Error handling request" not in r.log.read_text()
     finally:
         s.close()
 
@@ -354,14 +367,38 @@ def test_prefill_leg_drops_min_tokens_and_query_and_a_compressed_body_reach_the_
         assert "content-encoding" not in {k.lower() for k in seen["headers"]}
 
 
-def test_sigterm_drains_health_says_503_while_requests_are_still_served(fleet):
-    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
-    r = fleet.router([_prefill(pre, w)], [dec.url], "--shutdown-delay", "2")
+def test_sigterm_drains_health_says_503_while_requests_are_still_served_then_cuts_within_the_timeout(fleet):
+    pre, w = fleet.engine("p1"), fleet.worker()
+    dec = fleet.engine("d1", tokens=300, token_delay=0.1)  # a 30 s stream: still going when the drain ends
+    r = fleet.router([_prefill(pre, w)], [dec.url], "--shutdown-delay", "1.5", "--shutdown-timeout", "2")
+    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "long", "stream": True}),
+              headers={"Content-Type": "application/json"})
+    long = c.getresponse()
+    assert long.status == 200 and b"data:" in long.read1(65536)
+    t0 = time.monotonic()
     r.proc.send_signal(signal.SIGTERM)
-    _wait(lambda: r.health()[0] == 503, 2.0, "health says draining")
+    _wait(lambda: r.health()[0] == 503, 1.0, "health says draining")
     assert r.health()[1]["status"] == "draining"
-    assert r.request("POST", "/v1/completions", {"prompt": "p"})[0] == 200  # still served meanwhile
+    status, headers, _ = r.request("POST", "/v1/completions", {"prompt": "p"})  # still served meanwhile
+    assert status == 200 and headers.get("Connection") == "close"  # and told to go elsewhere next time
+    with pytest.raises(http.client.IncompleteRead):  # cut when the timeout ran out, not hung
+        long.read()
     assert r.proc.wait(10) == 0
+    took = time.monotonic() - t0
+    assert 3.0 < took < 6.0, took  # delay 1.5 + timeout 2 (+ slack), not delay + 2 x timeout
+    log = r.log.read_text()
+    assert "cut by the router's shutdown" in log and "Error handling request" not in log
+
+
+def test_one_bad_instance_name_costs_only_that_instance(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    bad = f"{fleet.engine('p2').url},worker=bad..name:1"  # an empty label: the name cannot even be encoded
+    r = fleet.router([_prefill(pre, w), bad], [dec.url])
+    status, h = r.health()
+    assert status == 200 and [i["state"] for i in h["prefill"]] == ["up", "down"], h
+    assert "worker bad..name:1 unreachable" in h["prefill"][1]["last_error"]
+    assert r.request("POST", "/v1/completions", {"prompt": "p"})[0] == 200
 
 
 def test_an_unreachable_instance_is_skipped_without_losing_the_request(fleet):
@@ -456,7 +493,10 @@ def test_decode_dying_mid_stream_cuts_the_client_response(fleet):
     with pytest.raises(http.client.IncompleteRead):  # a broken response, not one that looks complete
         resp.read()
     assert time.monotonic() - t0 < 3.0
-    assert "broke mid-answer" in r.log.read_text()
+    assert "broke mid-answer" in r.log.read_text() and "Error handling request" not in r.log.read_text()
+    labels = {"role": "decode", "instance": dec.url[7:]}
+    assert r.metric("p2pworker_router_responses_cut_total", **labels) == 1
+    assert r.metric("p2pworker_router_upstream_errors_total", **labels, reason="disconnected") == 1
 
 
 # ---- load ---------------------------------------------------------------------------------------------------------
@@ -501,9 +541,11 @@ def test_200_streaming_clients_an_upstream_killed_mid_wave_bounded_memory(fleet)
 
     ok, errors = asyncio.run(_wave(r.port, 200, "kill-prefill", kill_prefill()))
     assert (ok, errors) == (200, [])
-    cut_prefill = r.metric("p2pworker_router_prefill_failures_total", instance=pres[1].url[7:],
-                           reason="disconnected")
-    assert cut_prefill >= 1  # some prefill legs were in flight on it: they recomputed
+    # prefill legs in flight on it broke before their headers: each went once more, was refused, and the other
+    # prefill took it (or, had none been left, decode recomputed)
+    cut_prefill = sum(r.metric("p2pworker_router_prefill_failures_total", instance=pres[1].url[7:],
+                               reason=reason.value) for reason in Reason)
+    assert cut_prefill >= 1
     pres[0].mode(delay=0.0)
     for i in range(4):
         assert asyncio.run(_wave(r.port, 200, f"steady-{i}")) == (200, [])
