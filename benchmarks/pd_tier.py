@@ -1,15 +1,23 @@
 """PD transfer through vLLM's tiering manager: P2PWorkerTier (+ its worker) vs vLLM's in-tree `p2p` tier.
 
-    .venv-vllm033/bin/python benchmarks/pd_tier.py [--reps 5] [--geometries 16384x64,16384x512,262144x64,262144x512]
+    .venv-vllm033/bin/python benchmarks/pd_tier.py [--blocks 3] [--reps 5] [--hog]
+        [--geometries 16384x64,16384x512,262144x64,262144x512]
 
 Two processes per tier kind, each a real ``TieringOffloadingManager`` (built through
 ``OffloadingSpecFactory`` exactly as vLLM does; scheduler side only, so it runs on the CPU) whose only
 secondary tier is the one under test, on loopback with real NIXL.  Both schedulers step every 1 ms.  The
 producer stores N chunks for a request with ``remote_decoder`` (the cascade parks them in the tier); the
 consumer, given ``remote_prefiller``, runs lookup -> promotion -> lookup until every chunk is HIT and
-checks the bytes.  Reported per geometry, same run, tiers interleaved rep by rep:
+checks the bytes.
 
-- fetch: first consumer lookup -> every chunk HIT (rep 0 includes session setup: "cold"; the rest "warm");
+Only one tier's processes are alive while it is measured (the in-tree tier's engines each spin a NIXL progress
+thread: measured side by side, they would take the CPUs from the other tier): per geometry, ``--blocks`` blocks,
+each starting a fresh pair of one tier, running ``--reps`` requests, and stopping it, the tiers alternated and the
+order flipped every block.  ``--hog`` runs a busy neighbour process (a pure-Python spin) throughout.
+Reported per geometry, medians over all blocks:
+
+- fetch: first consumer lookup -> every chunk HIT; the first request of each block includes session setup
+  ("cold": one sample per block), the others are "warm";
 - scheduler-thread time inside tier calls (every SecondaryTierManager method, timed by wrapping the tier
   instance; only calls on the scheduler thread count), per call p50/p99 and per request in total,
   consumer and producer side.
@@ -146,11 +154,12 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn) -> 
                 timed.take()  # from here on: the producer's tier calls for this request (store + cascade)
                 ctx = ReqContext(req_id=rid, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
                 keys = [key(rid, i) for i in range(n)]
+                index = {k: i for i, k in enumerate(keys)}  # not keys.index: O(n) per key
                 with lock:
                     mgr.on_new_request(ctx)
                     out = mgr.prepare_store(keys, ctx)
                 for k, r in zip(out.keys_to_store, out.store_spec.chunk_ids.tolist()):
-                    view[r] = payload(rid, keys.index(k), row)
+                    view[r] = payload(rid, index[k], row)
                 with lock:
                     mgr.complete_store(out.keys_to_store, ctx)
                     mgr.on_request_finished(ctx)
@@ -250,12 +259,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else 0.0
 
 
-def summarize(reps: list[dict], row: int, n: int) -> dict:
-    warm = reps[1:] or reps
+def summarize(blocks: list[list[dict]], row: int, n: int) -> dict:
+    """``blocks``: per block, its requests in order (the first one cold)."""
+    cold = [b[0]["s"] for b in blocks]
+    warm = [r for b in blocks for r in (b[1:] or b)]
     fetch = [r["s"] for r in warm]
-    out = {"cold_ms": round(reps[0]["s"] * 1e3, 1), "warm_ms": round(statistics.median(fetch) * 1e3, 1),
+    out = {"cold_ms": round(statistics.median(cold) * 1e3, 1), "cold_ms_each": [round(c * 1e3, 1) for c in cold],
+           "warm_ms": round(statistics.median(fetch) * 1e3, 1),
            "warm_GBps": round(row * n / statistics.median(fetch) / 1e9, 3),
-           "all_ok": all(r["ok"] for r in reps)}
+           "warm_samples": len(fetch), "all_ok": all(r["ok"] for b in blocks for r in b)}
     for side, field, off in (("consumer", "calls", "off_thread_s"),
                              ("producer", "producer_calls", "producer_off_thread_s")):
         per_call: list[float] = []
@@ -275,7 +287,7 @@ def summarize(reps: list[dict], row: int, n: int) -> dict:
                      "per_request_ms": round(statistics.median(per_req) * 1e3, 3),
                      "calls_per_request": round(len(per_call) / max(1, len(warm)), 1),
                      # 0.33's tier-poll thread (tolerates_off_thread_polling) holds the manager lock too
-                     "off_thread_ms_whole_run": round(reps[-1][off] * 1e3, 3),
+                     "off_thread_ms_per_block": round(statistics.median(b[-1][off] for b in blocks) * 1e3, 3),
                      "by_method_us": {k: {"n": len(v), "p50": round(_pct(v, 0.5) * 1e6, 1),
                                           "p99": round(_pct(v, 0.99) * 1e6, 1), "max": round(max(v) * 1e6, 1)}
                                       for k, v in sorted(by_name.items())}}
@@ -284,49 +296,72 @@ def summarize(reps: list[dict], row: int, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5, help="requests per geometry and tier (the first one is cold)")
+    ap.add_argument("--blocks", type=int, default=3, help="fresh pairs per geometry and tier, tiers alternated")
+    ap.add_argument("--reps", type=int, default=5, help="requests per block (the first one is cold)")
+    ap.add_argument("--hog", action="store_true", help="a busy neighbour process spins throughout")
     ap.add_argument("--geometries", default="16384x64,16384x512,262144x64,262144x512", help="ROW_BYTESxCHUNKS,...")
     ap.add_argument("--tiers", default="ours,intree")
     ap.add_argument("--json", metavar="FILE", help="also write every figure (per method) to FILE")
     a = ap.parse_args()
     import vllm
 
-    results = {"vllm": vllm.__version__, "geometries": {}}
-    for geo in a.geometries.split(","):
-        row, n = (int(x) for x in geo.split("x"))
-        pairs = {k: Pair(k, row, n) for k in a.tiers.split(",")}
-        reps: dict[str, list[dict]] = {k: [] for k in pairs}
-        try:
-            for i in range(a.reps):  # interleaved: the machine's noise hits both tiers alike
-                for k, pair in pairs.items():
-                    reps[k].append(pair.request(f"r{i}-{k}-{geo}", n))
-        finally:
-            for pair in pairs.values():
-                pair.close()
-        g = {k: summarize(v, row, n) for k, v in reps.items()}
-        if "ours" in g and "intree" in g:
-            g["ratios"] = {
-                "throughput_ours_over_intree": round(g["ours"]["warm_GBps"] / g["intree"]["warm_GBps"], 2),
-                "consumer_sched_time_intree_over_ours": round(
-                    g["intree"]["consumer"]["per_request_ms"] / max(1e-9, g["ours"]["consumer"]["per_request_ms"]), 1),
-                "producer_sched_time_intree_over_ours": round(
-                    g["intree"]["producer"]["per_request_ms"] / max(1e-9, g["ours"]["producer"]["per_request_ms"]), 1),
-            }
-        results["geometries"][f"{row // 1024} KiB x {n}"] = g
-        print(f"== {row // 1024} KiB x {n} chunks ({row * n / 2**20:.0f} MiB), vLLM {vllm.__version__}", flush=True)
-        for k in pairs:
-            s = g[k]
-            print(f"  {k:7s} cold {s['cold_ms']:7.1f} ms  warm {s['warm_ms']:7.1f} ms ({s['warm_GBps']:.2f} GB/s)"
-                  f"  ok={s['all_ok']}  | consumer sched {s['consumer']['per_request_ms']:.3f} ms/req "
-                  f"(p50 {s['consumer']['per_call_p50_us']} / p99 {s['consumer']['per_call_p99_us']} us/call, "
-                  f"{s['consumer']['calls_per_request']} calls) | producer sched "
-                  f"{s['producer']['per_request_ms']:.3f} ms/req (p50 {s['producer']['per_call_p50_us']} / "
-                  f"p99 {s['producer']['per_call_p99_us']} us/call)", flush=True)
-        if "ratios" in g:
-            print(f"  ratios: {g['ratios']}", flush=True)
+    results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {}}
+    hog = mp.get_context("spawn").Process(target=_spin, daemon=True) if a.hog else None
+    if hog is not None:
+        hog.start()
+    tiers = a.tiers.split(",")
+    try:
+        for geo in a.geometries.split(","):
+            row, n = (int(x) for x in geo.split("x"))
+            blocks: dict[str, list[list[dict]]] = {k: [] for k in tiers}
+            for b in range(a.blocks):
+                for k in (tiers if b % 2 == 0 else tiers[::-1]):  # alternated, order flipped every block
+                    pair = Pair(k, row, n)  # only this tier's processes are alive now
+                    try:
+                        blocks[k].append([pair.request(f"r{b}-{i}-{k}-{geo}", n) for i in range(a.reps)])
+                    finally:
+                        pair.close()
+            _report(results, blocks, row, n)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.join(5)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _report(results: dict, blocks: dict[str, list[list[dict]]], row: int, n: int) -> None:
+    """One geometry's medians and ratios: printed, and kept in ``results``."""
+    import vllm
+
+    g = {k: summarize(v, row, n) for k, v in blocks.items()}
+    if "ours" in g and "intree" in g:
+        g["ratios"] = {
+            "throughput_ours_over_intree": round(g["ours"]["warm_GBps"] / g["intree"]["warm_GBps"], 2),
+            "cold_intree_over_ours": round(g["intree"]["cold_ms"] / g["ours"]["cold_ms"], 2),
+            "consumer_sched_time_intree_over_ours": round(
+                g["intree"]["consumer"]["per_request_ms"] / max(1e-9, g["ours"]["consumer"]["per_request_ms"]), 1),
+            "producer_sched_time_intree_over_ours": round(
+                g["intree"]["producer"]["per_request_ms"] / max(1e-9, g["ours"]["producer"]["per_request_ms"]), 1),
+        }
+    results["geometries"][f"{row // 1024} KiB x {n}"] = g
+    print(f"== {row // 1024} KiB x {n} chunks ({row * n / 2**20:.0f} MiB), vLLM {vllm.__version__}", flush=True)
+    for k in blocks:
+        s = g[k]
+        print(f"  {k:7s} cold {s['cold_ms']:7.1f} ms  warm {s['warm_ms']:7.1f} ms ({s['warm_GBps']:.2f} GB/s)"
+              f"  ok={s['all_ok']}  | consumer sched {s['consumer']['per_request_ms']:.3f} ms/req "
+              f"(p50 {s['consumer']['per_call_p50_us']} / p99 {s['consumer']['per_call_p99_us']} us/call, "
+              f"{s['consumer']['calls_per_request']} calls) | producer sched "
+              f"{s['producer']['per_request_ms']:.3f} ms/req (p50 {s['producer']['per_call_p50_us']} / "
+              f"p99 {s['producer']['per_call_p99_us']} us/call)", flush=True)
+    if "ratios" in g:
+        print(f"  ratios: {g['ratios']}", flush=True)
 
 
 if __name__ == "__main__":
