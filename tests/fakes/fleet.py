@@ -103,6 +103,13 @@ class Router:
         c.close()
         return out
 
+    def send(self, body: dict, timeout: float = 30) -> http.client.HTTPConnection:
+        """POST a completion and return the connection: the caller takes the response when it wants it (streams,
+        requests held open)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        c.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        return c
+
     def health(self) -> tuple[int, dict]:
         status, _, body = self.request("GET", "/health")
         return status, json.loads(body)

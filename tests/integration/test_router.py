@@ -20,7 +20,7 @@ import pytest
 
 from p2pworker.router.pool import (ERRORS_TO_DOWN, MOVES, Instance, InstanceState, Outcome, Policy, Pool, Role,
                                    parse_instance)
-from p2pworker.router.server import Reason, _classify
+from p2pworker.router.upstream import Reason, classify
 from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router
 from tests.ports import free_port
 
@@ -106,10 +106,10 @@ def test_errors_take_an_instance_out_only_several_in_a_row_and_reasons_map_to_ou
 def test_a_connect_that_fails_for_want_of_local_resources_is_not_the_instance_absence():
     key = types.SimpleNamespace(host="h", port=1, ssl=True, is_ssl=False)
     for code in (errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.ENOBUFS):
-        assert _classify(aiohttp.ClientConnectorError(key, OSError(code, os.strerror(code)))).reason is Reason.LOCAL
+        assert classify(aiohttp.ClientConnectorError(key, OSError(code, os.strerror(code)))).reason is Reason.LOCAL
     refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
-    assert _classify(refused).reason is Reason.UNREACHABLE
-    assert _classify(aiohttp.ServerDisconnectedError()).reason is Reason.DISCONNECTED
+    assert classify(refused).reason is Reason.UNREACHABLE
+    assert classify(aiohttp.ServerDisconnectedError()).reason is Reason.DISCONNECTED
 
 
 def test_pool_picks_least_in_flight_rotates_ties_and_falls_back_to_the_oldest_failure():
@@ -178,9 +178,7 @@ def test_prefill_then_decode_with_matching_params_and_every_end_to_end_header(fl
 def test_streaming_answer_is_relayed_as_it_comes_and_intact(fleet):
     pre, dec, w = fleet.engine("p1"), fleet.engine("d1", tokens=5, token_delay=0.3), fleet.worker()
     r = fleet.router([_prefill(pre, w)], [dec.url])
-    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
-    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "s", "stream": True}),
-              headers={"Content-Type": "application/json"})
+    c = r.send({"prompt": "s", "stream": True})
     t0 = time.monotonic()
     resp = c.getresponse()
     first = resp.read1(65536)
@@ -238,9 +236,7 @@ def test_least_in_flight_steers_around_a_busy_instance(fleet):
     slow, fast = fleet.engine("d1"), fleet.engine("d2")
     r = fleet.router([_prefill(pre, w)], [slow.url, fast.url])
     slow.mode(delay=3.0)
-    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
-    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "held"}),
-              headers={"Content-Type": "application/json"})  # goes to d1 (first in rotation), held 3 s
+    c = r.send({"prompt": "held"})  # goes to d1 (first in rotation), held 3 s
     _wait(lambda: len(slow.seen()) == 1, what="d1 got the first request")
     for i in range(4):
         assert r.request("POST", "/v1/completions", {"prompt": f"q{i}"})[0] == 200
@@ -371,10 +367,7 @@ def test_sigterm_drains_health_says_503_while_requests_are_still_served_then_cut
     pre, w = fleet.engine("p1"), fleet.worker()
     dec = fleet.engine("d1", tokens=300, token_delay=0.1)  # a 30 s stream: still going when the drain ends
     r = fleet.router([_prefill(pre, w)], [dec.url], "--shutdown-delay", "1.5", "--shutdown-timeout", "2")
-    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
-    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "long", "stream": True}),
-              headers={"Content-Type": "application/json"})
-    long = c.getresponse()
+    long = r.send({"prompt": "long", "stream": True}).getresponse()
     assert long.status == 200 and b"data:" in long.read1(65536)
     t0 = time.monotonic()
     r.proc.send_signal(signal.SIGTERM)
@@ -483,10 +476,7 @@ def test_client_disconnect_cancels_the_upstream_requests(fleet):
 def test_decode_dying_mid_stream_cuts_the_client_response(fleet):
     pre, dec, w = fleet.engine("p1"), fleet.engine("d1", tokens=200, token_delay=0.05), fleet.worker()
     r = fleet.router([_prefill(pre, w)], [dec.url])
-    c = http.client.HTTPConnection("127.0.0.1", r.port, timeout=10)
-    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "s", "stream": True}),
-              headers={"Content-Type": "application/json"})
-    resp = c.getresponse()
+    resp = r.send({"prompt": "s", "stream": True}, timeout=10).getresponse()
     assert resp.status == 200 and b"data:" in resp.read1(65536)
     dec.kill()
     t0 = time.monotonic()
