@@ -90,7 +90,11 @@ def poll_timeout_s(cfg: WorkerConfig, *, busy: bool, now: float, next_tick: floa
     the next timer, but while leases hold offered rows (``offering``) a peer may be reading them, which over TCP
     moves only while we progress: passive_burst_poll_s for passive_burst_s after the last offer (the consumer's
     READ is in flight then), passive_poll_s after that (a lease held long, e.g. by a slow consumer, costs less).
-    A lease with nothing offered yet (a Fetch before the stores) costs nothing: nobody reads before an offer."""
+    A lease with nothing offered yet (a Fetch before the stores) costs nothing: nobody reads before an offer.
+
+    Invariant 7: this sets only how long the loop sleeps.  It writes no row and releases none: offered rows stay
+    pinned until the consumer's Release or the lease's end (ParkingLot.release), however often we poll; our own
+    rows are written only by our reads, reported after they settle."""
     if busy:
         return cfg.busy_poll_s
     timeout_s = max(0.0, min(cfg.idle_poll_s, next_tick - now))

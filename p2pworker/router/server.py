@@ -22,12 +22,14 @@ balancer takes the router out meanwhile), then the listener closes and requests 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -239,24 +241,29 @@ class Router:
             log.info("%s %s back: it answered a request", inst.role.value, inst.name)
         self.metrics.up.labels(inst.role.value, inst.name).set(1)
 
-    async def _send(self, method: str, url: str, data: bytes | None,
-                    headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
-        """The request, up to its response headers (the caller releases the response).  A pooled connection the
-        instance closed while idle (a keep-alive ending as the request goes out) fails before any header: once more
-        then, on another connection; an instance that is really gone refuses that one (unreachable)."""
-        try:
-            return await self._session.request(method, url, data=data, headers=headers)
-        except aiohttp.ServerDisconnectedError:
-            log.debug("%s %s: pooled connection closed under the request; once more", method, url)
-            return await self._session.request(method, url, data=data, headers=headers)
-
-    def _enter(self, inst: Instance) -> None:
+    @contextlib.asynccontextmanager
+    async def _call(self, inst: Instance, method: str, path: str, data: bytes | None,
+                    headers: CIMultiDict[str]) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request to ``inst``: counted in flight until its response is released; the response from its
+        headers on (their latency observed).  A pooled connection the instance closed while idle (a keep-alive
+        ending as the request goes out) fails before any header: once more then, on another connection; an
+        instance that is really gone refuses that one (unreachable)."""
+        labels = (inst.role.value, inst.name)
         inst.in_flight += 1
-        self.metrics.in_flight.labels(inst.role.value, inst.name).set(inst.in_flight)
-
-    def _leave(self, inst: Instance) -> None:
-        inst.in_flight -= 1
-        self.metrics.in_flight.labels(inst.role.value, inst.name).set(inst.in_flight)
+        self.metrics.in_flight.labels(*labels).set(inst.in_flight)
+        try:
+            sent = time.monotonic()
+            try:
+                resp = await self._session.request(method, inst.url + path, data=data, headers=headers)
+            except aiohttp.ServerDisconnectedError:
+                log.debug("%s %s%s: pooled connection closed under the request; once more", method, inst.url, path)
+                resp = await self._session.request(method, inst.url + path, data=data, headers=headers)
+            async with resp:
+                self.metrics.latency.labels(*labels).observe(time.monotonic() - sent)
+                yield resp
+        finally:
+            inst.in_flight -= 1
+            self.metrics.in_flight.labels(*labels).set(inst.in_flight)
 
     async def _prefill_leg(self, path: str, req: dict, headers: CIMultiDict[str], kv_id: str,
                            trace: _Trace) -> Instance | None:
@@ -273,11 +280,8 @@ class Router:
         while (inst := self.prefill.pick(exclude=tried)) is not None:
             tried += (inst,)
             trace.prefill = inst.name
-            self._enter(inst)
-            sent = time.monotonic()
             try:
-                async with await self._send("POST", inst.url + path, data, headers) as r:
-                    self.metrics.latency.labels(Role.PREFILL.value, inst.name).observe(time.monotonic() - sent)
+                async with self._call(inst, "POST", path, data, headers) as r:
                     detail = (await r.read())[:300].decode(errors="replace")
                     if r.status == 200:
                         self._ok(inst)
@@ -286,8 +290,6 @@ class Router:
                                         f"HTTP {r.status}: {detail}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 err = classify(e)
-            finally:
-                self._leave(inst)
             self.metrics.prefill_failures.labels(inst.name, err.reason.value).inc()
             self._failed(inst, err)
             if err.reason is not Reason.UNREACHABLE:  # it may have been half done: once is enough
@@ -313,11 +315,8 @@ class Router:
             tried += (inst,)
             role = inst.role.value
             trace.decode = inst.name
-            self._enter(inst)
-            sent = time.monotonic()
             try:
-                async with await self._send(method, inst.url + path, data, headers) as up:
-                    self.metrics.latency.labels(role, inst.name).observe(time.monotonic() - sent)
+                async with self._call(inst, method, path, data, headers) as up:
                     if up.status >= 500:
                         self._failed(inst, UpstreamError(Reason.HTTP_5XX, f"HTTP {up.status}"))
                     else:
@@ -358,8 +357,6 @@ class Router:
                     status = {Reason.TIMEOUT: 504, Reason.LOCAL: 503}.get(err.reason, 502)
                     return web.json_response({"error": f"{role} instance failed: {inst.name}: {err}"},
                                              status=status)
-            finally:
-                self._leave(inst)
         return web.json_response({"error": "no instance reachable: " + "; ".join(errors)}, status=502)
 
     async def _to_client(self, request: web.Request, write) -> bool:

@@ -154,7 +154,8 @@ class ParkingLot:
     # ------------------------------------------------------------ leases
     def offering_starts(self, lease: Lease, now: float) -> None:
         """Rows of ``lease`` are about to be offered: count the lease among those with offered rows (once) and
-        note when (the worker polls fastest right after an offer)."""
+        note when (the worker polls fastest right after an offer).  Bookkeeping for polling only: what is pinned
+        and when it is released stays with the lease (invariant 7).  O(1) per offer, whatever the key count."""
         if not lease.offered:
             self.offering += 1
         self.last_offer_at = now

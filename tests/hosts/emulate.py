@@ -159,14 +159,8 @@ class TwoHosts:
         if same_host:  # not emulated at all: both on this host's loopback, as every same-host figure is taken
             self.mode, self.ips = SAME_HOST, ("127.0.0.1", "127.0.0.1")
         else:
-            try:
-                if os.environ.get("P2PW_HOSTS_LOOPBACK"):  # to exercise the fallback where namespaces work
-                    raise OSError("$P2PW_HOSTS_LOOPBACK is set")
-                self._make()
-            except (OSError, subprocess.SubprocessError) as e:
-                self._unmake()  # only our own names: they are unique to this run
-                self.mode, self.why = LOOPBACK_TCP, (getattr(e, "stderr", "") or str(e)).strip()
-                self.ips = ("127.0.0.1", "127.0.0.1")
+            self.make()
+            if self.mode == LOOPBACK_TCP:
                 warnings.warn(f"emulated hosts unavailable ({self.why}): running on loopback with UCX_TLS=tcp,self")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "P2PWORKER_SECRET": "emulated-hosts", **(env or {})}
         if self.mode == LOOPBACK_TCP:
@@ -211,11 +205,11 @@ class TwoHosts:
         """The namespaces and the wire, for :meth:`hold`; where refused (or $P2PW_HOSTS_LOOPBACK is set), mode
         becomes the loopback fallback and the caller runs both hosts' commands here with UCX_TLS=tcp,self."""
         try:
-            if os.environ.get("P2PW_HOSTS_LOOPBACK"):
+            if os.environ.get("P2PW_HOSTS_LOOPBACK"):  # to exercise the fallback where namespaces work
                 raise OSError("$P2PW_HOSTS_LOOPBACK is set")
             self._make()
         except (OSError, subprocess.SubprocessError) as e:
-            self._unmake()
+            self._unmake()  # only our own names: they are unique to this run
             self.mode, self.why = LOOPBACK_TCP, (getattr(e, "stderr", "") or str(e)).strip()
             self.ips = ("127.0.0.1", "127.0.0.2")  # two loopback addresses: each role still binds its own
 
