@@ -164,9 +164,13 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
                    f"protocol errors {st['counters'].get('protocol_errors', 0)}"
                    f"  peer deaths {st['counters'].get('peer_deaths', 0)}")
         if st["sessions"]:
-            rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s["close_reason"]]
-                    for s in st["sessions"]]
-            click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "closed because"]).replace("\n", "\n  "))
+            rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s.get("data_path") or "-",
+                     s["close_reason"]] for s in st["sessions"]]
+            click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "data path", "closed because"])
+                       .replace("\n", "\n  "))
+            for s in st["sessions"]:  # why a link does not copy on this host: what an operator asks first
+                if s.get("data_path_why"):
+                    click.echo(f"  {s['link']}: {s['data_path']}, not same_host: {s['data_path_why']}")
         click.echo("")
     if failed:
         click.echo(f"{len(failed)} of {len(out)} worker(s) did not answer", err=True)

@@ -34,6 +34,10 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True):
     backend: Backend = "auto"
     max_piece_bytes: PosInt = 8 << 20
     post_budget_bytes: PosInt = 16 << 20
+    # a peer on this host whose region file we provably see (boot id, its worker's pid, the file's identity):
+    # copy its rows ourselves out of a read-only map of that file; false: never (and do not offer ours)
+    same_host: bool = True
+    copy_threads: PosInt = 2  # threads (this one included) for a same-host copy of >= 4 MiB
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):

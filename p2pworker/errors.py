@@ -15,6 +15,10 @@ class RegionGeometryError(RegionError):
     """The files behind a region do not match the geometry asked for."""
 
 
+class RegionIdentityError(RegionError):
+    """A path opens another file than the one a peer mapped (another mount namespace, a re-created file)."""
+
+
 class RingError(P2PError):
     """A shared-memory ring is unusable (bad layout, role taken, closed)."""
 

@@ -433,6 +433,7 @@ class Worker:
             data = make_data_transport(
                 region, backend=cfg.data.backend, agent_name=f"{cfg.name}-{ctl.node_id}", host=cfg.control.host,
                 max_piece_bytes=cfg.data.max_piece_bytes, post_budget_bytes=cfg.data.post_budget_bytes,
+                same_host=cfg.data.same_host, copy_threads=cfg.data.copy_threads,
             )
         except BaseException:
             if "ctl" in locals():
@@ -790,6 +791,12 @@ class Worker:
                 self.reporter.lookup_done(cmd.lookup_id, None, reason)
 
     # ------------------------------------------------------------ status
+    def _data_path(self, link: str) -> dict:
+        """How a session's reads move (inspect): "same_host" or the backend, and why not same_host."""
+        got = self.data.path_of(link) if self.data is not None else None
+        path, why = got if got is not None else (None, "")
+        return {"data_path": path, "data_path_why": why}
+
     def status(self) -> dict:
         data = self.data
         return {
@@ -806,7 +813,7 @@ class Worker:
                       {"num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes},
             "sessions": [
                 {"link": link, "peer_id": s.peer_id, "state": s.state.value, "open_loads": s.open_loads,
-                 "close_reason": s.close_reason, **s.counters}
+                 "close_reason": s.close_reason, **self._data_path(link), **s.counters}
                 for link, s in self.sessions.items()
             ],
             "jobs_in_flight": self.reporter.open_jobs,

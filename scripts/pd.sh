@@ -25,6 +25,8 @@
 #   CPU_BYTES [268435456]  size of each engine's CPU KV tier (/dev/shm)
 #   PREFILL_WORKER_METRICS, DECODE_WORKER_METRICS [0]: >0: that engine's p2pworker serves Prometheus metrics on
 #                        127.0.0.1:<port>/metrics (given inline as the tier's worker_settings, over configs/<role>.toml)
+#   SAME_HOST [1]        0: the workers never copy out of a same-host peer's region file ([data] same_host = false;
+#                        NIXL even when both engines run here)
 #   P2PWORKER_SECRET     shared control-plane secret (generated into RUN_DIR if unset)
 #   HEALTH_TIMEOUT_S [240], STOP_TIMEOUT_S [30]
 #   VLLM_ARGS            extra arguments for both engines (e.g. "--dtype float32 --max-model-len 2048")
@@ -45,6 +47,7 @@ DECODE_HOST=${DECODE_HOST:-127.0.0.1}
 ROUTER_HOST=${ROUTER_HOST:-127.0.0.1}
 PREFILL_WORKER_METRICS=${PREFILL_WORKER_METRICS:-0}
 DECODE_WORKER_METRICS=${DECODE_WORKER_METRICS:-0}
+SAME_HOST=${SAME_HOST:-1}
 HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-240}
 STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-30}
 PY="$VENV/bin/python"
@@ -56,13 +59,18 @@ alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
 kv_config() {  # role port engine_id -> the --kv-transfer-config JSON
   "$PY" - "$@" <<'EOF'
 import json, sys
-role, port, engine_id, platform, cpu_bytes, root, metrics, host = sys.argv[1:9]
+role, port, engine_id, platform, cpu_bytes, root, metrics, host, same_host = sys.argv[1:10]
 spec = ({"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "vllm_adapter.cpu_spec"}
         if platform == "cpu" else {"spec_name": "TieringOffloadingSpec"})
 tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": host, "port": int(port),
         "worker_config": f"{root}/configs/{role}.toml"}
-if int(metrics):  # inline settings over the file: the worker's Prometheus endpoint
-    tier["worker_settings"] = {"worker": {"metrics_port": int(metrics)}}
+settings = {}  # inline settings over the file
+if int(metrics):  # the worker's Prometheus endpoint
+    settings["worker"] = {"metrics_port": int(metrics)}
+if same_host == "0":  # never copy out of a same-host peer's region file: NIXL even on one host
+    settings["data"] = {"same_host": False}
+if settings:
+    tier["worker_settings"] = settings
 print(json.dumps({
     "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
     "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": int(cpu_bytes), "secondary_tiers": [tier]}}))
@@ -72,7 +80,7 @@ EOF
 start_engine() {  # role http_port p2p_port extra_env worker_metrics_port host
   local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 host=$6 engine_id cfg
   engine_id="p2pw-$role-$$-$RANDOM"  # $RANDOM: pids repeat across PID namespaces (emulated hosts)
-  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host")
+  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host" "$SAME_HOST")
   echo "$cfg" > "$RUN_DIR/$role.kv.json"
   echo "$engine_id" > "$RUN_DIR/$role.engine_id"
   # shellcheck disable=SC2086  # VLLM_ARGS and extra_env are word lists on purpose

@@ -144,6 +144,10 @@ class DataTransport(abc.ABC):
         metadata while reads through the old one can still land).
         """
 
+    def path_of(self, peer_key: str) -> tuple[str, str] | None:
+        """(the path reads from ``peer_key`` take, why not the same-host path); None for an unknown key."""
+        return None
+
     @abc.abstractmethod
     def remove_peer(self, peer_key: str) -> None:
         """Cancel the key's transfers (unposted pieces are dropped at once); the remote agent

@@ -14,6 +14,11 @@ Peers and remote agents::
     "out-3"'  ─┘  (retiring: posted pieces     loaded on the first ref,
                    still in flight)            forgotten when refs is empty
 
+A remote on this host whose region file we can prove we see (:mod:`p2pworker.data.samehost`) is not loaded
+into the backend at all: its pieces are copied by this process out of a read-only map of that file, inside the
+same post/settle bookkeeping (a copy is synchronous: DONE when the post returns).  Everything below, the
+reference counts and "forgotten only when nothing can land" included, is the same for both paths.
+
 A remote agent is loaded once (NIXL refuses a second ``add_remote_agent`` for
 a name it knows) and shared by every key that names it.  Removing a key
 cancels its transfers and retires its record; a retired record keeps its
@@ -34,6 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from p2pworker.data import samehost
 from p2pworker.data.base import DataTransport, PeerDataInfo, TransferStats, XferState, check_rows, coalesce, split_runs
 from p2pworker.errors import TransferFailed
 from p2pworker.shm.region import KVRegion
@@ -51,6 +57,8 @@ class Remote:
     info: PeerDataInfo  # as first loaded: a later key must describe the same incarnation
     refs: set = field(default_factory=set)  # Peer records (live or retiring) that use it
     state: Any = None  # backend state (e.g. a socket)
+    source: samehost.SameHostSource | None = None  # set: the same-host path (the backend never saw this remote)
+    refusal: str = ""  # why not the same-host path (inspect)
 
 
 @dataclass(eq=False)
@@ -89,9 +97,14 @@ class PieceTransport(DataTransport):
         *,
         max_piece_bytes: int = 8 << 20,
         post_budget_bytes: int = 16 << 20,
+        same_host: bool = False,
+        copy_threads: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._region = region
+        self.same_host = same_host  # offer our region file to same-host peers, and copy from theirs
+        self._same_host_info = samehost.local_info(region) if same_host else None
+        self._copier = samehost.Copier(region, threads=copy_threads)
         self._bb = region.block_bytes
         self.max_piece_bytes = max_piece_bytes
         self.post_budget_bytes = post_budget_bytes
@@ -114,7 +127,8 @@ class PieceTransport(DataTransport):
         """This region's PeerDataInfo plus the backend's own fields (metadata, endpoint, ...)."""
         return PeerDataInfo(
             backend=self.backend, agent_name=self.agent_name, base_address=self._region.address,
-            num_blocks=self._region.num_blocks, block_bytes=self._bb, **backend_fields,
+            num_blocks=self._region.num_blocks, block_bytes=self._bb, same_host=self._same_host_info,
+            **backend_fields,
         )
 
     # ------------------------------------------------------------ peers
@@ -132,7 +146,11 @@ class PieceTransport(DataTransport):
         remote = self._remotes.get(info.agent_name)
         if remote is None:
             remote = Remote(info.agent_name, info)
-            remote.state = self._remote_add(remote.name, info)  # raises TransferFailed: nothing recorded then
+            try:
+                remote.source = samehost.open_source(self.same_host, info)
+            except samehost.NotSameHost as e:
+                remote.refusal = str(e)
+                remote.state = self._remote_add(remote.name, info)  # raises TransferFailed: nothing recorded then
             self._remotes[remote.name] = remote
         elif not _same_incarnation(remote.info, info):
             # A restarted peer reusing its agent name while reads through the old incarnation can
@@ -159,6 +177,15 @@ class PieceTransport(DataTransport):
         """The live peer keys."""
         return list(self._peers)
 
+    def path_of(self, peer_key: str) -> tuple[str, str] | None:
+        """(the path this key's reads take: "same_host" or the backend's name, why not same_host), None if unknown."""
+        peer = self._peers.get(peer_key)
+        if peer is None:
+            return None
+        if peer.remote.source is not None:
+            return "same_host", ""
+        return self.backend, peer.remote.refusal
+
     def remotes(self) -> dict[str, int]:
         """Loaded remote agents and how many peer records (live or retiring) reference each."""
         return {name: len(r.refs) for name, r in self._remotes.items()}
@@ -179,7 +206,10 @@ class PieceTransport(DataTransport):
             return
         del self._remotes[remote.name]
         try:
-            self._remote_forget(remote)
+            if remote.source is not None:
+                remote.source.close()  # nothing copies from it: copies are synchronous, and no ref is left
+            else:
+                self._remote_forget(remote)
         except Exception as e:
             log.debug("forgetting remote agent %s: %s", remote.name, e)
 
@@ -203,10 +233,16 @@ class PieceTransport(DataTransport):
     def _post(self, t: Transfer, piece: np.ndarray) -> None:
         handle = None
         try:
-            state, handle = self._post_piece(t, piece)
+            source = t.peer.remote.source
+            if source is not None:
+                self._copier.copy(source, piece)  # every byte copied, or it raised
+                state = XferState.DONE
+            else:
+                state, handle = self._post_piece(t, piece)
         except Exception as e:
             state = XferState.ERR
-            t.error = t.error or f"{self.backend} post failed: {type(e).__name__}: {e}"
+            how = "same-host copy" if t.peer.remote.source is not None else f"{self.backend} post"
+            t.error = t.error or f"{how} failed: {type(e).__name__}: {e}"
         self.stats.posts += 1
         self.stats.descriptors += len(piece)
         if state is XferState.PROC:
@@ -343,6 +379,7 @@ class PieceTransport(DataTransport):
             self._unref(peer)
         self._peers.clear()
         self._retiring.clear()
+        self._copier.close()
         self._deregister()
         return True
 

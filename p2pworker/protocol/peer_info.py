@@ -9,6 +9,29 @@ from __future__ import annotations
 import msgspec
 
 
+class RegionFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One segment file of a region as its owner mapped it: the path in the owner's mount namespace and what the
+    file is (``st_dev``, ``st_ino``), so a peer can tell whether the same path opens the same file for it."""
+
+    path: str
+    dev: int
+    ino: int
+    nbytes: int
+    file_offset: int = 0
+
+
+class SameHostInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a peer on the same host needs to copy rows straight out of our region file, and to prove it is one:
+    the kernel's boot id, our worker's pid with its start time (clock ticks after boot, /proc/<pid>/stat field
+    22: a pid alone may name another process), and the region's files.  Checked by ``p2pworker.data.samehost``."""
+
+    boot_id: str
+    pid: int
+    pid_start_ticks: int
+    files: tuple[RegionFile, ...]
+    data_offset: int = 0
+
+
 class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a peer needs to read rows out of our region; sent over the authenticated control channel."""
 
@@ -20,3 +43,4 @@ class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metadata: bytes = b""  # NIXL agent metadata
     endpoint: str = ""  # fallback: the data socket address
     token: bytes = b""  # fallback: a per-process read token; only peers told it may read
+    same_host: SameHostInfo | None = None  # offered unless [data] same_host = false

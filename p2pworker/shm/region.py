@@ -10,7 +10,11 @@ whole range is reserved first, then every file is mapped over its part with
 ``MAP_FIXED`` (see :mod:`p2pworker.shm.vm`), so the region can be registered
 with NIXL once.
 
-A :class:`RegionHandle` names the files, their offsets and the geometry.  It
+A :class:`RegionHandle` names the files, their offsets and the geometry.
+:attr:`KVRegion.file_ids` is what the files ARE (device and inode, from
+``fstat`` of the descriptors actually mapped): a same-host peer compares
+them with what it opens under the same paths (``p2pworker.data.samehost``),
+because a path alone names another file in another mount namespace.  It
 crosses processes as a msgpack message (:meth:`RegionHandle.encode`), never as
 a pickle.  Only the process that created the files unlinks them, in
 :meth:`KVRegion.close`.
@@ -25,7 +29,7 @@ from typing import Iterator
 import msgspec
 import numpy as np
 
-from p2pworker.errors import RegionError, RegionGeometryError
+from p2pworker.errors import RegionError, RegionGeometryError, RegionIdentityError
 from p2pworker.shm import vm
 
 SHM_DIR = "/dev/shm"
@@ -117,22 +121,35 @@ class KVRegion:
     :meth:`buffer`/:meth:`array` must not be used after :meth:`close`.
     """
 
-    def __init__(self, handle: RegionHandle, *, owner: bool, populate: bool = False):
+    def __init__(self, handle: RegionHandle, *, owner: bool, populate: bool = False, readonly: bool = False,
+                 expect_ids: tuple[tuple[int, int], ...] | None = None):
         handle.validate()
         self.handle = handle
         self.owner = owner
+        self.readonly = readonly
         self._closed = False
         self._reserved = vm.round_up(handle.mapped_bytes)
         fds: list[int] = []
+        ids: list[tuple[int, int]] = []
         base = 0
+        if expect_ids is not None and len(expect_ids) != len(handle.segments):
+            raise RegionGeometryError(f"{len(expect_ids)} file identities for {len(handle.segments)} segments")
         try:
             for i, seg in enumerate(handle.segments):
                 try:
-                    fd = os.open(seg.path, os.O_RDWR | os.O_CLOEXEC)
+                    fd = os.open(seg.path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
                 except FileNotFoundError as e:
                     raise RegionError(f"segment {i} of the region does not exist: {seg.path}") from e
                 fds.append(fd)
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                size = st.st_size
+                ids.append((st.st_dev, st.st_ino))
+                # the identity of the descriptor we are about to map, not of a path looked up again later
+                if expect_ids is not None and tuple(expect_ids[i]) != ids[-1]:
+                    raise RegionIdentityError(
+                        f"segment {i} ({seg.path}) is another file here: device/inode {ids[-1]}, "
+                        f"expected {tuple(expect_ids[i])}"
+                    )
                 if size < seg.file_offset + seg.nbytes:
                     raise RegionGeometryError(
                         f"segment {i} ({seg.path}) is {size} bytes but the handle maps "
@@ -141,7 +158,7 @@ class KVRegion:
             base = vm.reserve(self._reserved)
             at = base
             for seg, fd in zip(handle.segments, fds):
-                vm.map_file_fixed(at, seg.nbytes, fd, seg.file_offset, populate)
+                vm.map_file_fixed(at, seg.nbytes, fd, seg.file_offset, populate, readonly=readonly)
                 at += seg.nbytes
         except BaseException:
             if base:
@@ -151,6 +168,7 @@ class KVRegion:
             for fd in fds:
                 os.close(fd)  # the mappings keep the pages
         self._base = base
+        self.file_ids: tuple[tuple[int, int], ...] = tuple(ids)  # (st_dev, st_ino) per segment, as mapped
 
     # ------------------------------------------------------------ constructors
     @classmethod
@@ -213,6 +231,12 @@ class KVRegion:
         return cls(handle, owner=False, populate=populate)
 
     @classmethod
+    def attach_readonly(cls, handle: RegionHandle, expect_ids: tuple[tuple[int, int], ...]) -> "KVRegion":
+        """Map another process's region read-only, only if every segment path opens the file ``expect_ids`` names
+        (``RegionIdentityError`` otherwise).  Writing through it faults: this process never writes those rows."""
+        return cls(handle, owner=False, readonly=True, expect_ids=expect_ids)
+
+    @classmethod
     def attach_files(cls, name: str, num_blocks: int, block_bytes: int) -> "KVRegion":
         """Map an existing region by name, discovering segment files ``.1``, ``.2``, ..."""
         return cls(discover(name, num_blocks, block_bytes), owner=False)
@@ -242,9 +266,10 @@ class KVRegion:
         return self.address + row * self.block_bytes
 
     def buffer(self) -> memoryview:
-        """A writable byte view of the KV data (``nbytes`` long)."""
+        """A byte view of the KV data (``nbytes`` long); writable unless the region is mapped read-only."""
         arr = (ctypes.c_ubyte * self.nbytes).from_address(self.address)
-        return memoryview(arr).cast("B")
+        view = memoryview(arr).cast("B")
+        return view.toreadonly() if self.readonly else view  # a write into PROT_READ pages would be a SIGSEGV
 
     def array(self) -> np.ndarray:
         """The KV data as a ``(num_blocks, block_bytes)`` uint8 array (no copy)."""

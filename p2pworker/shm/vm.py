@@ -40,15 +40,16 @@ def reserve(nbytes: int) -> int:
     return _check(_libc.mmap(None, nbytes, PROT_NONE, flags, -1, 0), f"reserve {nbytes} bytes")
 
 
-def map_file_fixed(addr: int, nbytes: int, fd: int, file_offset: int, populate: bool = False) -> None:
-    """Map ``nbytes`` of ``fd`` from ``file_offset`` shared, read-write, exactly at ``addr``.
+def map_file_fixed(addr: int, nbytes: int, fd: int, file_offset: int, populate: bool = False,
+                   readonly: bool = False) -> None:
+    """Map ``nbytes`` of ``fd`` from ``file_offset`` shared, exactly at ``addr``; read-write unless ``readonly``.
 
     ``populate`` pre-faults the page tables now (MAP_POPULATE), so the first
     transfers into the range do not pay a page fault per page.
     """
     flags = mmap.MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
     got = _check(
-        _libc.mmap(addr, nbytes, PROT_RW, flags, fd, file_offset),
+        _libc.mmap(addr, nbytes, mmap.PROT_READ if readonly else PROT_RW, flags, fd, file_offset),
         f"map {nbytes} bytes of fd {fd} at {addr:#x}",
     )
     if got != addr:  # pragma: no cover - MAP_FIXED either succeeds at addr or fails

@@ -59,6 +59,7 @@ def test_pd_pair_on_two_emulated_hosts_answers_like_one_engine_with_kv_over_the_
         if hosts.mode != NETNS:
             pair.env["PREFILL_ENV"] += " UCX_TLS=tcp,self"
             pair.env["DECODE_ENV"] += " UCX_TLS=tcp,self"
+            pair.env["SAME_HOST"] = "0"  # both engines here would otherwise copy out of each other's region file
         script = os.path.join(ROOT, "scripts", "pd.sh")
         starts = [subprocess.Popen(hosts.enter(i, [script, "start", *roles]), env={**pair.env, "RUN_DIR": run_dirs[i]},
                                    text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -6,7 +6,8 @@ per line; an answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
 
     {"op": "start", "name": N, "blocks": B, "block_bytes": S, "host": IP, "port": P, "seed": K, "settings": {...},
      "advertise": IP}   (bind host, e.g. 0.0.0.0, and the address peers are told to dial)
-        -> {"ok": true, "address": "IP:PORT", "backend": "nixl"}   region of seeded random bytes, worker attached
+        -> {"ok": true, "address": "IP:PORT", "backend": "nixl", "region": PATH}   region of seeded random
+           bytes (its first file at PATH), worker attached
     {"op": "store", "job": J, "request": R, "keys": [hex...], "rows": [...]}          park rows for a consumer
     {"op": "load", "job": J, "address": A, "request": R, "keys": [hex...], "rows": [...]}
     {"op": "wait", "jobs": [J...], "timeout_s": T}
@@ -14,6 +15,9 @@ per line; an answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
            (reported so far; worker_exit: the worker's exit code if it died while we waited, else null)
     {"op": "digest", "rows": [...]} -> {"ok": true, "sha256": hex}                     of those rows, in order
     {"op": "stop"} -> {"ok": true, "exit_code": C}                                     worker closed, region removed
+    {"op": "status"} -> {"ok": true, "status": {...}}               the worker's `p2pworker inspect --json` status
+    {"op": "decoy", "path": P, "nbytes": N} -> {"ok": true}         a file of N bytes at P in this host's /dev/shm
+                                                                    (removed at stop), e.g. another host's region path
 
 Raw NIXL beside the worker, over the same wire (benchmarks/hosts_bench.py's baseline): the agent's own NIXL agent
 registers the same region; the target side keeps a progress thread running (over TCP a peer's READ is served only
@@ -34,7 +38,7 @@ import time
 
 import numpy as np
 
-from p2pworker import api
+from p2pworker import admin, api
 from p2pworker.bench.data_throughput import raw_read
 from p2pworker.client import WorkerClient
 from p2pworker.shm import KVRegion
@@ -48,6 +52,7 @@ class Agent:
         self.raw = None  # (nixl agent, registration) for the raw NIXL baseline
         self._serving = threading.Event()
         self._server: threading.Thread | None = None
+        self.decoys: list[str] = []
 
     def start(self, name: str, blocks: int, block_bytes: int, host: str, port: int, seed: int,
               settings: dict | None, advertise: str | None = None) -> dict:
@@ -59,7 +64,8 @@ class Agent:
             args += ["--settings-json", json.dumps(settings)]
         self.client = WorkerClient(name, args=args)
         ready = self.client.attach(self.region.handle, {"model": "emulated-hosts"})
-        return {"address": ready.address.removeprefix("tcp://"), "backend": ready.backend}
+        return {"address": ready.address.removeprefix("tcp://"), "backend": ready.backend,
+                "region": self.region.handle.segments[0].path}
 
     def _collect(self) -> None:
         for ev in self.client.poll():
@@ -104,6 +110,16 @@ class Agent:
             return self.raw_read(bytes.fromhex(req["metadata"]), req["base"], req["rows"], req["dst"], req["reps"])
         if op == "raw_close":
             self.raw_close()
+            return {}
+        if op == "status":
+            return {"status": admin.query(self.client.ready.admin)}
+        if op == "decoy":
+            fd = os.open(req["path"], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, req["nbytes"])
+            finally:
+                os.close(fd)
+            self.decoys.append(req["path"])
             return {}
         if op == "stop":
             return {"exit_code": self.close()}
@@ -169,6 +185,9 @@ class Agent:
         if self.region is not None:
             self.region.close()
             self.region = None
+        for path in self.decoys:
+            os.unlink(path)
+        self.decoys = []
         return code
 
 

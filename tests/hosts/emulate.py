@@ -26,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NETNS, LOOPBACK_TCP = "netns+veth", "loopback, UCX_TLS=tcp,self"
 SAME_HOST = "one host, loopback, UCX's own transport choice (cma)"  # benchmarks' same-host baseline
+# one host, but b in its own mount namespace with a private /dev/shm (a container that does not share the host's):
+# b cannot open a's region file, so the same-host copy path must not be taken
+PRIVATE_SHM = "one host, loopback, b with a private /dev/shm"
 
 
 class Host:
@@ -147,6 +150,9 @@ class TwoHosts:
     # ------------------------------------------------------------ agents
     def _argv(self, i: int) -> list[str]:
         agent = [sys.executable, "-m", "tests.hosts.agent"]
+        if self.mode == PRIVATE_SHM and i == 1:
+            return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    "mount -t tmpfs -o size=512m tmpfs /dev/shm && exec " + " ".join(agent)]
         if self.mode != NETNS:
             return agent
         script = ("mount -t tmpfs -o size=512m tmpfs /dev/shm && exec env UCX_NET_DEVICES=" + self.dev[i] + " "
@@ -155,9 +161,10 @@ class TwoHosts:
                 "--mount-proc", "sh", "-c", script]
 
     def start(self, blocks: int, block_bytes: int, port: int = 5710, settings: dict | None = None,
-              env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False) -> None:
-        if same_host:  # not emulated at all: both on this host's loopback, as every same-host figure is taken
-            self.mode, self.ips = SAME_HOST, ("127.0.0.1", "127.0.0.1")
+              env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False,
+              private_shm: bool = False) -> None:
+        if same_host or private_shm:  # not emulated at all: both on this host's loopback
+            self.mode, self.ips = PRIVATE_SHM if private_shm else SAME_HOST, ("127.0.0.1", "127.0.0.1")
         else:
             self.make()
             if self.mode == LOOPBACK_TCP:
@@ -165,6 +172,9 @@ class TwoHosts:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "P2PWORKER_SECRET": "emulated-hosts", **(env or {})}
         if self.mode == LOOPBACK_TCP:
             env["UCX_TLS"] = "tcp,self"
+            # both hosts' workers run here, seeing each other's region files: keep them off the same-host copy path,
+            # so that the bytes still cross TCP as between two machines
+            settings = {**(settings or {}), "data": {**(settings or {}).get("data", {}), "same_host": False}}
         for i, name in enumerate(("a", "b")):
             host = Host(name, self.ips[i], self._argv(i), env, self.log_dir / f"host-{name}.log")
             self.hosts.append(host)
@@ -173,6 +183,7 @@ class TwoHosts:
                             seed=i, settings=settings, advertise=self.ips[i] if bind_any else None)
             host.address = out["address"]
             host.backend = out["backend"]
+            host.region = out["region"]
 
     # ------------------------------------------------------------ any command inside a host
     def hold(self, shm_size: str = "2g") -> None:
@@ -246,13 +257,15 @@ class TwoHosts:
 
 @contextlib.contextmanager
 def two_hosts(tag: str, log_dir: Path, blocks: int, block_bytes: int, settings: dict | None = None,
-              env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False):
+              env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False,
+              private_shm: bool = False):
     """Two emulated hosts with agents started; both workers must exit 0 (unless the test took a death into
     account: ``hosts.died``) and nothing may be left behind."""
     hosts = TwoHosts(tag, log_dir)
     t0 = time.monotonic()
     try:
-        hosts.start(blocks, block_bytes, settings=settings, env=env, bind_any=bind_any, same_host=same_host)
+        hosts.start(blocks, block_bytes, settings=settings, env=env, bind_any=bind_any, same_host=same_host,
+                    private_shm=private_shm)
         print(f"emulated hosts: {hosts.mode}{' (' + hosts.why.strip() + ')' if hosts.why else ''}; "
               f"up in {time.monotonic() - t0:.1f} s; data backend {hosts.a.backend}")
         yield hosts

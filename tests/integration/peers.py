@@ -18,7 +18,8 @@ def region_bytes(seed: int, num_blocks: int, block_bytes: int) -> np.ndarray:
 
 def data_peer(backend: str, name: str, num_blocks: int, block_bytes: int, q_out, q_in, seed: int = 0) -> None:
     """A passive producer: fills its region with ``region_bytes(seed, ...)``, publishes its
-    PeerDataInfo, makes progress (serves reads), answers commands.
+    PeerDataInfo, makes progress (serves reads), answers commands.  ``backend`` "same_host": NIXL, and the
+    region file offered to same-host peers.
 
     Commands on ``q_in``: ("dump",) -> region bytes on ``q_out``; ("exit",).
     """
@@ -29,7 +30,9 @@ def data_peer(backend: str, name: str, num_blocks: int, block_bytes: int, q_out,
         arr = reg.array()
         arr[:] = region_bytes(seed, num_blocks, block_bytes)
         del arr
-        tr = make_data_transport(reg, backend=backend, agent_name=f"peer-{os.getpid()}-{time.monotonic_ns()}")
+        tr = make_data_transport(reg, backend="nixl" if backend == "same_host" else backend,
+                                 agent_name=f"peer-{os.getpid()}-{time.monotonic_ns()}",
+                                 same_host=backend == "same_host")
         q_out.put(msgspec.msgpack.encode(tr.local_info()))
         try:
             while True:

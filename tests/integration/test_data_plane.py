@@ -22,6 +22,7 @@ from p2pworker.shm.sweep import sweep
 from tests.integration.peers import data_peer, random_rows, region_bytes
 
 BACKENDS = ["nixl", "zmq"]
+MODES = BACKENDS + ["same_host"]  # same_host: NIXL transports, the consumer copying out of the producer's file
 CANARY = 0xEE  # what our rows hold before a read; a row still CANARY was not written
 
 
@@ -63,6 +64,12 @@ def settle(tr, tids, timeout_s=30.0):
     return out
 
 
+def transport(region, mode: str, agent_name: str, **kw):
+    """Our consumer side for ``mode`` (see MODES)."""
+    backend = "nixl" if mode == "same_host" else mode
+    return make_data_transport(region, backend=backend, agent_name=agent_name, same_host=mode == "same_host", **kw)
+
+
 @pytest.fixture
 def local_region(shm_prefix):
     with KVRegion.create(shm_prefix + "local", 256, 16384) as reg:
@@ -70,13 +77,15 @@ def local_region(shm_prefix):
         yield reg
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", MODES)
 def test_scattered_rows_land_byte_exact(children, shm_prefix, local_region, backend):
     peer = PeerProc(children, backend, shm_prefix + "peer", 512, 16384, seed=5)
-    tr = make_data_transport(local_region, backend=backend, agent_name=f"local-{os.getpid()}-{backend}")
+    tr = transport(local_region, backend, agent_name=f"local-{os.getpid()}-{backend}")
     try:
-        assert tr.backend == backend
+        assert tr.backend == ("nixl" if backend == "same_host" else backend)
         tr.add_peer("out-1", peer.info)
+        path, why = tr.path_of("out-1")
+        assert path == backend, (path, why)
         rng = np.random.default_rng(3)
         local_rows = random_rows(rng, 100, 256)
         remote_rows = random_rows(rng, 100, 512, run_len=8)
@@ -95,13 +104,13 @@ def test_scattered_rows_land_byte_exact(children, shm_prefix, local_region, back
         assert tr.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", MODES)
 @pytest.mark.timeout(180)
 def test_peer_killed_mid_transfer_fails_in_deadline_and_others_keep_working(children, shm_prefix, backend):
     bb, nb = 256 * 1024, 1024  # 256 MiB regions
     with KVRegion.create(shm_prefix + "big", nb, bb) as reg:
-        tr = make_data_transport(reg, backend=backend, agent_name=f"big-{os.getpid()}-{backend}",
-                                 max_piece_bytes=4 << 20, post_budget_bytes=4 << 20)
+        tr = transport(reg, backend, agent_name=f"big-{os.getpid()}-{backend}",
+                       max_piece_bytes=4 << 20, post_budget_bytes=4 << 20)
         try:
             victim = PeerProc(children, backend, shm_prefix + "victim", nb, bb, seed=1)
             tr.add_peer("victim", victim.info)
@@ -114,6 +123,8 @@ def test_peer_killed_mid_transfer_fails_in_deadline_and_others_keep_working(chil
             result = settle(tr, [tid], timeout_s=10)
             detect_s = time.monotonic() - killed
             assert result[tid] is not None, "a read from a killed peer reported success"
+            if backend == "same_host":  # the next piece's copy saw the pidfd readable: the rows may be reused now
+                assert "exited during the copy" in result[tid], result[tid]
             # ZMQ: the piece in flight fails once ack_timeout_s (3 s) passed since it was posted (before
             # the kill), noticed by the next poll: the slack is that one trip round the loop.
             assert detect_s <= 3.0 + 0.1, f"failure took {detect_s:.3f} s (heartbeat deadline 3 s)"
@@ -131,13 +142,13 @@ def test_peer_killed_mid_transfer_fails_in_deadline_and_others_keep_working(chil
             assert tr.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", MODES)
 def test_close_with_transfers_in_flight_waits_then_reports_each_once(children, shm_prefix, backend):
     bb, nb = 256 * 1024, 512
     with KVRegion.create(shm_prefix + "dst", nb, bb) as reg:
         reg.array()[:] = CANARY
-        tr = make_data_transport(reg, backend=backend, agent_name=f"close-{os.getpid()}-{backend}",
-                                 max_piece_bytes=4 << 20, post_budget_bytes=8 << 20)
+        tr = transport(reg, backend, agent_name=f"close-{os.getpid()}-{backend}",
+                       max_piece_bytes=4 << 20, post_budget_bytes=8 << 20)
         peer = PeerProc(children, backend, shm_prefix + "src", nb, bb, seed=3)
         tr.add_peer("p", peer.info)
         tids = [tr.read_blocks("p", np.arange(i, nb, 4), np.arange(i, nb, 4)) for i in range(4)]
@@ -177,13 +188,14 @@ def test_fallback_and_nixl_move_the_same_bytes(children, shm_prefix, local_regio
     assert (results["nixl"][local_rows] != CANARY).any()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", MODES)
 def test_two_keys_naming_one_agent_share_it(children, shm_prefix, local_region, backend):
     """A symmetric pair's two links (or an overlapping reconnect) name the same remote agent:
-    NIXL refuses a second add_remote_agent, so the agent is loaded once and removed with the last key."""
+    NIXL refuses a second add_remote_agent, so the agent is loaded once and removed with the last key
+    (on the same-host path: the peer's file is mapped once and unmapped with the last key)."""
     peer = PeerProc(children, backend, shm_prefix + "peer", 128, 16384, seed=4)
     expected = peer.expected()
-    tr = make_data_transport(local_region, backend=backend, agent_name=f"keys-{os.getpid()}-{backend}")
+    tr = transport(local_region, backend, agent_name=f"keys-{os.getpid()}-{backend}")
 
     def read_ok(key: str, local_rows, remote_rows) -> None:
         local_region.array()[:] = CANARY

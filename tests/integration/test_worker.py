@@ -97,6 +97,8 @@ def test_two_workers_move_blocks_byte_exact_both_ways_and_inspect_sees_them(pair
     assert st["name"] == "wa" and st["state"] == "running" and st["backend"] == "nixl"
     assert st["jobs_in_flight"] == 0 and st["bytes_read"] == 40 * 64 * 1024
     assert {s["peer_id"] for s in st["sessions"] if s["state"] == "active"} == {b.ready.node_id}
+    # both workers on this host, each seeing the other's region file and process: the same-host copy path
+    assert {(s["data_path"], s["data_path_why"]) for s in st["sessions"]} == {("same_host", "")}, st["sessions"]
     res = subprocess.run([str(BIN), "inspect", "--admin", str(tmp_path / "wb.admin")],
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and "worker wb" in res.stdout and "active" in res.stdout

@@ -14,6 +14,11 @@ completions arbitrarily (a cancelled read may still copy and report DONE, at any
 lose the link and reconnect, with the two sides' clocks far apart.  A load whose reads never settle is never
 reported (the session asks its worker to exit instead: ``stuck``); the end of the run settles every read.
 
+On the same-host path (``same_host``: p2pworker/data/samehost.py) the consumer's worker copies the rows itself,
+synchronously inside the poll that posts the piece, and reports right after: a copy and its report are one step,
+a read cancelled before its poll copies nothing, and a copy fails (after copying any part of the rows) only when
+the producer's worker died.  The same checker runs against that adversary.
+
 ``test_the_checker_catches_the_old_push_design`` replays the push design's order (producer writes into
 the consumer's rows; the consumer reports on its deadline without waiting) against the same checker.
 """
@@ -66,7 +71,8 @@ class Violation(AssertionError):
 
 
 class Model:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, same_host: bool = False):
+        self.same_host = same_host
         self.p = Pair(skew_s=random.Random(seed).uniform(-1e5, 1e5)).handshake()
         self.rng = random.Random(seed)
         self.next_job = 1
@@ -125,6 +131,8 @@ class Model:
             self.next_lookup += 1
         elif kind == "deliver":
             p.deliver(o[1])
+        elif self.same_host and kind in ("copy", "settle") and a.data.reads:
+            self.same_host_poll(o)
         elif kind == "copy" and a.data.reads:
             tids = sorted(a.data.reads)
             a.copy(tids[o[1] % len(tids)], b, o[2])  # lands whatever the sessions think: the check decides
@@ -144,6 +152,22 @@ class Model:
         elif kind == "reconnect":
             self.reconnect(o[1])
         self.check()
+
+    def same_host_poll(self, o) -> None:
+        """The worker's poll reaches one posted read: the same-host copy runs and is reported in that poll.  A read
+        cancelled before copies nothing; a "settle" op with ok=False is the producer's worker dying mid-copy (part
+        of the rows copied, then the pidfd check fails the piece)."""
+        a, b = self.p.a, self.p.b
+        tids = sorted(a.data.reads)
+        tid = tids[o[1] % len(tids)]
+        r = a.data.reads[tid]
+        if r.cancelled:
+            a.settle(tid, False, "cancelled")
+        elif o[0] == "settle" and not o[2]:
+            a.copy(tid, b, o[1] % (len(r.local_rows) + 1))
+            a.settle(tid, False, "the peer's worker exited during the copy")
+        else:
+            a.settle(tid, True)  # copies every row, then reports
 
     def tick(self, who: str = "both") -> None:
         p = self.p
@@ -228,6 +252,16 @@ class Model:
 @given(st.lists(op, min_size=5, max_size=80), st.integers(0, 2**32))
 def test_random_interleavings_keep_every_invariant(ops, seed):
     model = Model(seed)
+    for o in ops:
+        model.step(o)
+    model.finish()
+    assert model.p.sa.counters["protocol_errors"] == 0 and model.p.sb.counters["protocol_errors"] == 0
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=5, max_size=80), st.integers(0, 2**32))
+def test_random_interleavings_on_the_same_host_path_keep_every_invariant(ops, seed):
+    model = Model(seed, same_host=True)
     for o in ops:
         model.step(o)
     model.finish()

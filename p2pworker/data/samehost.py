@@ -1,0 +1,215 @@
+"""Same-host copy path: a consumer whose producer runs on this host copies the offered rows itself, out of a
+read-only map of the producer's region file, at memcpy speed instead of through NIXL/UCX.
+
+Used only when the handshake PROVES the consumer sees the producer's region and process, never assumed from an
+address (127.0.0.1 may be another network namespace, a container, a VM's forwarded port).  The checks, in order;
+the first that fails names why the link uses the backend (NIXL or the ZMQ fallback) instead::
+
+    check                                          refusal when it fails
+    our [data] same_host is on                     OFF
+    the peer offers its files (its same_host on)   NOT_OFFERED
+    same kernel: /proc/sys/kernel/random/boot_id   OTHER_BOOT       another host, another VM
+    the peer's worker is visible here: its pid     NO_PROCESS       another PID namespace (a container), or gone
+      with the same start time (pidfd opened,
+      then the start time read again)
+    every segment path opens here                  NO_FILE          a private /dev/shm (another mount namespace)
+    ... the very file the peer mapped (st_dev,     OTHER_FILE       a same-named file in another /dev/shm
+      st_ino of the descriptor we map)
+    ... large enough for the peer's geometry       UNUSABLE         (or mmap failed)
+
+Then :class:`SameHostSource` is the peer's region mapped PROT_READ here plus a pidfd of its worker.  A copy is
+one ``memmove`` per run (ctypes releases the GIL, so a large piece is split over ``copy_threads`` threads), and
+runs synchronously inside the data transport's post, like NIXL's cma copy on one host: the piece is DONE when
+the call returns, so the exactly-once and lease rules of :mod:`p2pworker.data.pieces` hold unchanged.
+
+Invariant 7, both sides: we write only OUR rows (the destination is our region; the peer's mapping is read-only,
+a write there would fault).  A producer row must not be handed back to its vLLM while we still read it: the
+producer's worker holds the offered rows under a lease until our Release (sent only after this copy returned and
+the load was reported) or its expiry (longer than our own bound on a read).  What a lease cannot cover is the
+producer's WORKER dying mid-copy: its vLLM then fails the parked jobs and may reuse the rows at once.  So after
+each copy we ask the pidfd whether the worker still lives: alive after the copy means alive, and holding the
+lease, during all of it; dead means the piece fails (the load is reported failed, never with those bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import select
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from p2pworker.data.base import split_runs
+from p2pworker.errors import RegionError, RegionIdentityError, TransferFailed
+from p2pworker.protocol.peer_info import PeerDataInfo, RegionFile, SameHostInfo
+from p2pworker.shm.region import KVRegion, RegionHandle, Segment
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+class Refusal(enum.Enum):
+    """Why a link does not use the same-host path (the value is what ``p2pworker inspect`` shows)."""
+
+    OFF = "turned off here ([data] same_host = false)"
+    NOT_OFFERED = "the peer does not offer its region file ([data] same_host = false there)"
+    OTHER_BOOT = "another kernel (boot id differs): another host or VM"
+    NO_PROCESS = "the peer's worker is not visible here (another PID namespace, or it exited)"
+    NO_FILE = "the peer's region file does not open here (a private /dev/shm: another mount namespace)"
+    OTHER_FILE = "the peer's region path opens another file here (device/inode differ)"
+    UNUSABLE = "the peer's region file cannot be mapped for its geometry"
+
+
+class NotSameHost(Exception):
+    def __init__(self, refusal: Refusal, detail: str = "") -> None:
+        super().__init__(f"{refusal.value}{': ' + detail if detail else ''}")
+        self.refusal = refusal
+        self.detail = detail
+
+
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID_PATH) as f:
+            return f.read().strip()
+    except OSError:
+        return ""  # never equal to a peer's: the check fails closed
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22), None if not visible."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces and ')': split after the LAST ')'
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])  # field 22 overall: fields 3.. start at index 0 here
+    except (IndexError, ValueError):
+        return None
+
+
+def local_info(region: KVRegion) -> SameHostInfo:
+    """What we offer a same-host peer: our kernel, our process, and the files behind our region as mapped."""
+    pid = os.getpid()
+    files = tuple(
+        RegionFile(seg.path, dev, ino, seg.nbytes, seg.file_offset)
+        for seg, (dev, ino) in zip(region.handle.segments, region.file_ids)
+    )
+    return SameHostInfo(boot_id(), pid, start_ticks(pid) or 0, files, region.handle.data_offset)
+
+
+class SameHostSource:
+    """A peer's region mapped read-only here, and a pidfd of the worker that holds its leases.  Owned by one
+    remote record of the data transport; :meth:`close` unmaps (only once nothing copies from it)."""
+
+    def __init__(self, info: PeerDataInfo, sh: SameHostInfo) -> None:
+        self.pid = sh.pid
+        self._pidfd: int | None = None
+        self._poll = select.poll()
+        if start_ticks(sh.pid) != sh.pid_start_ticks:
+            raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid}")
+        try:
+            self._pidfd = os.pidfd_open(sh.pid)
+        except OSError as e:
+            raise NotSameHost(Refusal.NO_PROCESS, f"pidfd_open({sh.pid}): {e}") from e
+        try:
+            # read again AFTER opening: the pidfd now surely names the process that started at that tick
+            if start_ticks(sh.pid) != sh.pid_start_ticks:
+                raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid} exited during the check")
+            self._poll.register(self._pidfd, select.POLLIN)  # readable once the process exited
+            handle = RegionHandle(
+                segments=tuple(Segment(f.path, f.nbytes, f.file_offset) for f in sh.files),
+                num_blocks=info.num_blocks, block_bytes=info.block_bytes, data_offset=sh.data_offset,
+            )
+            try:
+                self.region = KVRegion.attach_readonly(handle, tuple((f.dev, f.ino) for f in sh.files))
+            except RegionIdentityError as e:
+                raise NotSameHost(Refusal.OTHER_FILE, str(e)) from e
+            except RegionError as e:  # missing file (geometry errors are RegionError too: checked first)
+                missing = "does not exist" in str(e)
+                raise NotSameHost(Refusal.NO_FILE if missing else Refusal.UNUSABLE, str(e)) from e
+            except (OSError, ValueError) as e:  # permission denied, mmap refused
+                refusal = Refusal.NO_FILE if isinstance(e, PermissionError) else Refusal.UNUSABLE
+                raise NotSameHost(refusal, f"{type(e).__name__}: {e}") from e
+        except BaseException:
+            self._close_pidfd()
+            raise
+        self.address = self.region.address
+
+    def alive(self) -> bool:
+        """The peer's worker has not exited (the pidfd is not readable)."""
+        if self._pidfd is None:
+            return False
+        return not self._poll.poll(0)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            fd, self._pidfd = self._pidfd, None
+            os.close(fd)
+
+    def close(self) -> None:
+        """Unmap and drop the pidfd.  Idempotent; the caller guarantees no copy from it is running."""
+        self._close_pidfd()
+        region = getattr(self, "region", None)
+        if region is not None:
+            region.close()
+
+
+def open_source(enabled: bool, info: PeerDataInfo) -> SameHostSource:
+    """The checks of the table above, in order; raises :class:`NotSameHost` naming the first that fails."""
+    if not enabled:
+        raise NotSameHost(Refusal.OFF)
+    sh = info.same_host
+    if sh is None:
+        raise NotSameHost(Refusal.NOT_OFFERED)
+    ours = boot_id()
+    if not ours or sh.boot_id != ours:
+        raise NotSameHost(Refusal.OTHER_BOOT, f"{sh.boot_id!r} vs ours {ours!r}")
+    return SameHostSource(info, sh)
+
+
+class Copier:
+    """Copies runs of rows from a :class:`SameHostSource` into our region: one ``memmove`` per run, the runs of a
+    piece of at least ``split_bytes`` spread over ``threads`` threads (this one included).  Synchronous: every
+    byte is copied when :meth:`copy` returns, or it raised."""
+
+    def __init__(self, dest: KVRegion, *, threads: int = 1, split_bytes: int = 4 << 20) -> None:
+        self._dest = dest.address
+        self._bb = dest.block_bytes
+        self.threads = max(1, threads)
+        self.split_bytes = split_bytes
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _copy_runs(self, src: int, runs: np.ndarray) -> None:
+        bb, dest, move = self._bb, self._dest, ctypes.memmove
+        for l0, r0, n in runs.tolist():
+            # Row writes (invariant 7): OUR rows only, by this process, inside the post of a piece that is reported
+            # after this returns; the source is the peer's read-only mapping.
+            move(dest + l0 * bb, src + r0 * bb, n * bb)
+
+    def copy(self, source: SameHostSource, runs: np.ndarray) -> None:
+        nbytes = int(runs[:, 2].sum()) * self._bb
+        if self.threads == 1 or nbytes < self.split_bytes:
+            self._copy_runs(source.address, runs)
+        else:
+            parts = split_runs(runs, self._bb, -(-nbytes // self.threads))
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="p2pw-copy")
+            futures = [self._pool.submit(self._copy_runs, source.address, p) for p in parts[1:]]
+            try:
+                self._copy_runs(source.address, parts[0])
+            finally:
+                for f in futures:  # every part finished (or raised) before we return: nothing copies later
+                    f.result()
+        if not source.alive():
+            raise TransferFailed(
+                f"the peer's worker (pid {source.pid}) exited during the copy: its vLLM may have reused the rows"
+            )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
