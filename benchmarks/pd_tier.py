@@ -54,7 +54,7 @@ def _mk(cls, **kw):
     return cls(**{k: v for k, v in kw.items() if k in ok})
 
 
-def build(kind: str, name: str, port: int, row: int, num_chunks: int):
+def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port: int = 0):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -64,8 +64,10 @@ def build(kind: str, name: str, port: int, row: int, num_chunks: int):
     )
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    if kind == "ours":
+    if kind.startswith("ours"):
         tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port}
+        if kind == "ours-listed" and peer_port:  # the decode tier lists the prefill worker: connected at start
+            tier["peers"] = [f"127.0.0.1:{peer_port}"]
     else:
         tier = {"type": "p2p", "host": "127.0.0.1", "port": port}
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * row, "eviction_policy": "lru",
@@ -125,12 +127,12 @@ def payload(rid: str, i: int, row: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(-128, 128, row, dtype=np.int8)
 
 
-def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn) -> None:
+def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, peer_port: int = 0) -> None:
     """One scheduler: steps every 1 ms; runs commands from the parent between steps."""
     os.environ.setdefault("P2PWORKER_SECRET", "pd-tier-bench")
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
-    mgr = build(kind, role, port, row, num_chunks)
+    mgr = build(kind, role, port, row, num_chunks, peer_port)
     tier = mgr.secondary_tiers[0]
     timed = Timed(tier)
     view = np.asarray(tier._primary_kv_view)
@@ -220,7 +222,7 @@ class Pair:
         self.d_conn, b = ctx.Pipe()
         cap = num_chunks * 2 + 8
         self.procs = [ctx.Process(target=_serve, args=(kind, "P", self.pport, row, cap, a), daemon=True),
-                      ctx.Process(target=_serve, args=(kind, "D", dport, row, cap, b), daemon=True)]
+                      ctx.Process(target=_serve, args=(kind, "D", dport, row, cap, b, self.pport), daemon=True)]
         for p in self.procs:
             p.start()
         for c in (self.p_conn, self.d_conn):
@@ -300,7 +302,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="requests per block (the first one is cold)")
     ap.add_argument("--hog", action="store_true", help="a busy neighbour process spins throughout")
     ap.add_argument("--geometries", default="16384x64,16384x512,262144x64,262144x512", help="ROW_BYTESxCHUNKS,...")
-    ap.add_argument("--tiers", default="ours,intree")
+    ap.add_argument("--tiers", default="ours,intree",
+                    help="ours, ours-listed (the decode tier lists the prefill worker in `peers`), intree")
     ap.add_argument("--json", metavar="FILE", help="also write every figure (per method) to FILE")
     a = ap.parse_args()
     import vllm

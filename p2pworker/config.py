@@ -145,6 +145,10 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     return msgspec.convert(merged, WorkerConfig, strict=True)
 
 
+# host:port, the port a number (an IPv6 literal is not supported: see README)
+PeerAddress = Annotated[str, Meta(pattern=r"^[^:\s]+:[0-9]{1,5}$")]
+
+
 class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
     """The tier's keys in vLLM's ``kv_connector_extra_config["secondary_tiers"][i]`` (besides type/module_path).
 
@@ -161,6 +165,9 @@ class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
     rings: str | None = None  # attach to an operator-launched worker instead of spawning one
     start_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
     worker_stall_s: Annotated[float, Meta(gt=0)] = 5.0  # no event (heartbeats every 0.5 s) from a live pid: wedged
+    # peer workers ("host:port", as the requests' remote_host/remote_port name them) to connect at start and keep
+    # connected: the first request to one of them finds its session (and data path) ready
+    peers: list[PeerAddress] = []
 
 
 TIER_SOURCE = "kv_connector_extra_config.secondary_tiers[P2PWorkerTier]"

@@ -138,6 +138,9 @@ class Worker:
         self._reads: dict[int, tuple[Session, int]] = {}  # data transfer id -> (session, its read id)
         self._tids: dict[tuple[Session, int], int] = {}  # (session, read id) -> data transfer id
         self._retry: dict[str, tuple[float, float, str]] = {}  # address -> (not before, next backoff, why)
+        # addresses the adapter asked to keep connected (the tier's `peers`: a PD decode lists its prefill workers,
+        # so the first request finds the session and the data path set up); re-opened on the tick, with backoff
+        self.kept: set[str] = set()
         self._failed_log = [0.0, 0]  # [second started, failed jobs in it]
         self._link_addr: dict[str, str] = {}  # outbound link id -> the address key it was opened for
         self._was_up: set[str] = set()  # outbound links that were up once (a reconnect is not a first contact)
@@ -220,6 +223,9 @@ class Worker:
                     self._abort(s.stuck)
             if self.ctx is not None:
                 self.ctx.lot.tick()
+                for key in self.kept:  # a kept peer whose session closed: open a new one (_session_for backs off)
+                    if key not in self.out_links and key not in self._resolving and not self.stopping:
+                        self._session_for(key, api.OpenSession(key))
             if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
                 self._drained_sent = True  # draining stays in force: new work is still refused
                 self._emit(api.Drained())
@@ -384,8 +390,10 @@ class Worker:
                 if self.ctx is not None:
                     self._pump(self.ctx.lot.request_finished(cmd.request_id))
             case api.OpenSession():
+                self.kept.add(_addr_key(cmd.address))
                 self._session_for(cmd.address, cmd)
             case api.CloseSession():
+                self.kept.discard(_addr_key(cmd.address))
                 link = self.out_links.get(_addr_key(cmd.address))
                 s = self.sessions.get(link) if link is not None else None
                 if s is not None:

@@ -204,6 +204,7 @@ class P2PWorkerTier(SecondaryTierManager):
         s, wcfg = tier_settings(tier_config)
         locality, rings = s.locality, s.rings
         start_timeout_s, worker_stall_s = s.start_timeout_s, s.worker_stall_s
+        self._peers = list(s.peers)
         if locality is not None:
             self.locality = Locality(str(locality).upper())
         cfg = offloading_spec.config
@@ -350,6 +351,9 @@ class P2PWorkerTier(SecondaryTierManager):
                 client.cmd.unlink()
                 client.evt.unlink()
                 self._replay_finished()
+                for peer in self._peers:  # kept connected by the worker from now on (re-opened if a session ends)
+                    if not self._send(api.OpenSession(peer)):
+                        log.warning("could not ask the worker to connect to %s: command ring full", peer)
             elif isinstance(ev, api.WorkerError):
                 log.error("p2pworker: %s", ev.message)
                 if ev.fatal:

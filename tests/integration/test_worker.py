@@ -207,6 +207,54 @@ def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
             assert c.close() == 0
 
 
+def sessions_of(admin_path) -> list[dict]:
+    res = subprocess.run([str(BIN), "inspect", "--json", "--admin", str(admin_path)],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)[0]["sessions"]
+
+
+def test_a_listed_peer_is_connected_before_any_request_even_one_that_starts_later(shm_prefix, tmp_path):
+    """The tier's `peers` (issue 16): the adapter sends OpenSession for each once its worker is ready; the worker
+    connects and keeps the session, so the first request finds it (and its data path) set up.  Here the peer
+    starts only after it was listed (a decode engine up before its prefill engine)."""
+    port = free_port()
+    regions, clients = [], []
+    try:
+        for i, (name, args) in enumerate((("ka", ["--port", "0"]), ("kb", ["--port", str(port)]))):
+            reg = KVRegion.create(f"{shm_prefix}{name}", 64, 64 * 1024)
+            reg.array()[:] = i + 1
+            regions.append(reg)
+            if i == 0:
+                c = WorkerClient(name, args=args + ["--admin", str(tmp_path / "ka.admin")], env=ENV)
+                clients.append(c)
+                c.attach(reg.handle, {"model": "test"})
+                assert c.send(api.OpenSession(f"127.0.0.1:{port}"))  # nobody listens there yet
+                time.sleep(1.0)
+                assert not [s for s in sessions_of(tmp_path / "ka.admin") if s["state"] == "active"]
+        b = WorkerClient("kb", args=["--port", str(port)], env=ENV)
+        clients.append(b)
+        b.attach(regions[1].handle, {"model": "test"})
+        a = clients[0]
+        deadline = time.monotonic() + 15
+        while not (up := [s for s in sessions_of(tmp_path / "ka.admin") if s["state"] == "active"]):
+            assert time.monotonic() < deadline, "the listed peer's session never came up"
+            time.sleep(0.1)
+        (s0,) = up
+        assert s0["peer_id"] == b.ready.node_id and s0["data_path"] == "same_host", s0
+        # the first request uses that session: no second link, and it moves the bytes
+        assert b.send(api.StoreJob(1, "r", [b"k0", b"k1"], [5, 6]))
+        assert a.send(api.LoadJob(2, f"127.0.0.1:{port}", "r", [b"k0", b"k1"], [10, 11]))
+        assert finished(a, {2})[2].success and finished(b, {1})[1].success
+        assert (regions[0].array()[10:12] == 2).all()
+        assert [s["link"] for s in sessions_of(tmp_path / "ka.admin")] == [s0["link"]]
+    finally:
+        codes = [c.close() for c in clients]
+        for reg in regions:
+            reg.close()
+    assert codes == [0, 0], f"worker exit codes {codes}"
+
+
 def test_ping_reports_rtt_and_fingerprint_and_refuses_a_wrong_secret(pair):
     (a, _), _ = pair
     env = {**os.environ, **ENV}

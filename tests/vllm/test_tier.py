@@ -70,6 +70,32 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     assert set(TIER_METRICS) <= set(decode.metric_defs), "the spec does not declare the tier's metrics"
 
 
+def test_listed_peers_are_connected_before_any_request(free_port):
+    """The tier's `peers` key: once its worker is ready, the decode tier has it connect to the prefill worker, so
+    the first request finds the session (and its data path) up: first contact is paid at start, not per request."""
+    from p2pworker import admin
+
+    port = free_port()
+    prefill = Engine("lp", port)
+    decode = Engine("ld", free_port(), peers=[f"127.0.0.1:{port}"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            for e in (prefill, decode):
+                e.step()
+            ready = decode.tier._client is not None and decode.tier._client.ready is not None
+            st = admin.query(decode.tier._client.ready.admin) if ready else {"sessions": []}
+            up = [s for s in st["sessions"] if s["state"] == "active"]
+            if up:
+                break
+            assert time.monotonic() < deadline, f"no session to the listed peer: {st['sessions']}"
+            time.sleep(0.01)
+        assert up[0]["peer_id"] == prefill.tier._client.ready.node_id and up[0]["data_path"] == "same_host", up
+    finally:
+        for e in (decode, prefill):
+            e.close()
+
+
 def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
     _, decode = pd
     ctx = ReqContext(req_id="d2", kv_transfer_params={
