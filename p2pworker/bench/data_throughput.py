@@ -13,7 +13,10 @@ Contenders per (block_bytes, blocks per transfer, row pattern):
 - ``p2pworker_nixl``: ``NixlTransport.read_blocks`` + ``poll`` until reported
   (runs coalesced, bounded pieces).
 - ``p2pworker_zmq``: the fallback transport.
-- ``memcpy``: numpy row copy between two /dev/shm regions in one process.
+- ``p2pworker_same_host``: the same-host path (``same_host=True``): our process copies the producer's rows out
+  of a read-only map of its region file (``copy_threads`` threads for pieces of >= 4 MiB), with the
+  transport's bookkeeping around each piece and the producer-alive check after it.
+- ``memcpy``: numpy row copy between two /dev/shm regions in one process (one thread).
 
 Row patterns: ``contig`` (rows 0..n-1 on both sides: one run) and
 ``scattered`` (random distinct rows: about one run per row).
@@ -55,7 +58,7 @@ def _producer(name: str, num_blocks: int, block_bytes: int, q_out, q_in) -> None
 
     with KVRegion.create(name, num_blocks, block_bytes) as reg:
         reg.array()[:] = 0x5A
-        nx = NixlTransport(reg, agent_name=f"bench-tgt-{os.getpid()}")
+        nx = NixlTransport(reg, agent_name=f"bench-tgt-{os.getpid()}", same_host=True)  # offers its file too
         zq = ZmqTransport(reg, agent_name=f"bench-tgt-zmq-{os.getpid()}")
         q_out.put((msgspec.msgpack.encode(nx.local_info()), msgspec.msgpack.encode(zq.local_info())))
         try:
@@ -96,7 +99,8 @@ def _interleaved_gbps(fns: dict, nbytes: int, reps: int, batch_bytes: int) -> di
 
 
 def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: int, seed: int = 0,
-                   only: set[str] | None = None, patterns: tuple[str, ...] = ("contig", "scattered")) -> list[dict]:
+                   only: set[str] | None = None, patterns: tuple[str, ...] = ("contig", "scattered"),
+                   copy_threads: int = 2) -> list[dict]:
     from p2pworker.data.base import PeerDataInfo, coalesce
     from p2pworker.data.nixl_transport import NixlTransport, import_nixl
     from p2pworker.data.zmq_transport import ZmqTransport
@@ -130,6 +134,10 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
         ours.add_peer("t", nx_info)
         fb = ZmqTransport(dst, agent_name=f"bench-fb-{os.getpid()}")
         fb.add_peer("t", zq_info)
+        same = NixlTransport(dst, agent_name=f"bench-same-{os.getpid()}", same_host=True, copy_threads=copy_threads)
+        same.add_peer("t", nx_info)
+        if same.path_of("t")[0] != "same_host":
+            raise RuntimeError(f"the same-host path was refused: {same.path_of('t')[1]}")
         rng = np.random.default_rng(seed)
         src_arr, dst_arr = src.array(), dst.array()
 
@@ -163,11 +171,13 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                         dst_arr[lr] = src_arr[rr]  # noqa: F821
 
                 fns = {"raw_nixl": raw_once, "p2pworker_nixl": transport_once(ours),
-                       "p2pworker_zmq": transport_once(fb), "memcpy": memcpy_once}
+                       "p2pworker_zmq": transport_once(fb), "p2pworker_same_host": transport_once(same),
+                       "memcpy": memcpy_once}
                 gbps = _interleaved_gbps({k: f for k, f in fns.items() if only is None or k in only},
                                          nbytes, reps, batch_bytes)
                 descs = {"raw_nixl": n, "p2pworker_nixl": ours.stats.last_descriptors,
-                         "p2pworker_zmq": fb.stats.last_descriptors, "memcpy": runs}
+                         "p2pworker_zmq": fb.stats.last_descriptors,
+                         "p2pworker_same_host": same.stats.last_descriptors, "memcpy": runs}
                 results = {c: (gbps[c], descs[c]) for c in gbps}
                 raw_gbps = results["raw_nixl"][0]
                 for contender, (gbps, descs) in results.items():
@@ -182,6 +192,7 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                         "vs_raw": round(gbps / raw_gbps, 3),
                     })
         del src_arr, dst_arr
+        same.close()
         fb.close()
         ours.close()
         raw.release_dlist_handle(local_dl)
@@ -207,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--reps", type=int, default=11, help="timed samples per contender")
     ap.add_argument("--batch-mib", type=int, default=32, help="bytes moved per timed sample")
+    ap.add_argument("--copy-threads", type=int, default=2, help="the same-host contender's copy_threads")
     args = ap.parse_args(argv)
     for bb in args.block_bytes:
-        for row in bench_geometry(bb, args.blocks, args.reps, args.batch_mib << 20):
+        for row in bench_geometry(bb, args.blocks, args.reps, args.batch_mib << 20, copy_threads=args.copy_threads):
             print(json.dumps(row), flush=True)
     return 0
