@@ -359,24 +359,30 @@ def demo(requests: int, blocks: int, block_kib: int, inflight: int, backend: str
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="One JSON line per geometry.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON line per geometry and data path.")
 @click.option("--block-kib", "block_kibs", multiple=True, type=int, default=(16, 256), show_default=True)
 @click.option("--blocks", "block_counts", multiple=True, type=int, default=(64, 512), show_default=True)
 @click.option("--requests", default=24, show_default=True, help="Requests per geometry (throughput run).")
 @click.option("--inflight", default=4, show_default=True)
+@click.option("--path", "paths", multiple=True, type=click.Choice(["nixl", "same_host"]),
+              default=("nixl", "same_host"), show_default=True, help="Data paths to run the workers on.")
 def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, ...], requests: int,
-          inflight: int) -> None:
-    """Throughput and latency through two workers vs raw NIXL in the same run.
+          inflight: int, paths: tuple[str, ...]) -> None:
+    """Throughput and latency through two workers vs raw NIXL and memcpy in the same run.
 
     ``workers_gbps``: PD requests (contiguous rows) through both workers'
-    rings, sessions and data planes, ``inflight`` at a time; ``raw_nixl_gbps``:
-    one process writing the same geometry into another with bare NIXL calls;
-    ``ratio`` = workers / raw; ``latency_ms_p50``: one request alone, submit to
-    loaded.  (The demo verifies bytes; bench does not, so the copy check is not
-    timed.)
+    rings, sessions and data planes, ``inflight`` at a time, on each data path
+    (``nixl``: NIXL even on one host, ``[data] same_host = false``;
+    ``same_host``: the consumer's worker copies out of the producer's region
+    file); ``raw_nixl_gbps``: one process reading the same geometry from
+    another with bare NIXL calls; ``memcpy_gbps``: one numpy copy of the rows
+    between two regions in one process; ``ratio`` = workers / raw NIXL,
+    ``vs_memcpy`` = workers / memcpy; ``latency_ms_p50``: one request alone,
+    submit to loaded.  (The demo verifies bytes; bench does not.)
     """
     import tempfile
 
+    from p2pworker.admin import query
     from p2pworker.bench.data_throughput import bench_geometry
     from p2pworker.bench.pd import PDRig
 
@@ -389,31 +395,40 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
 
     for kib in block_kibs:
         bb = kib * 1024
-        progress(f"{kib} KiB blocks: raw NIXL, {', '.join(map(str, block_counts))} blocks per request")
-        raw = {r["blocks"]: r["gbps_median"] for r in
-               bench_geometry(bb, list(block_counts), reps=7, batch_bytes=32 << 20, only={"raw_nixl"},
-                              patterns=("contig",))}
-        with PDRig(max(block_counts) * inflight * 2, bb, backend="nixl", stderr=log) as rig:
-            for n in block_counts:
-                progress(f"{kib} KiB x {n}: {requests} requests through two workers, {inflight} in flight")
-                rig.run(2, n, inflight=1, verify=False, contiguous=True)  # warm-up: sessions, connections
-                thr = rig.run(requests, n, inflight=inflight, verify=False, contiguous=True)
-                lat = rig.run(max(5, requests // 3), n, inflight=1, verify=False, contiguous=True)
-                if thr.failures or thr.mismatches or lat.failures:
-                    raise click.ClickException(f"bench run failed: {(thr.failures + lat.failures)[:3]}")
-                row = {"block_bytes": bb, "blocks": n, "request_bytes": n * bb, "workers_gbps": round(thr.gbps, 3),
-                       "raw_nixl_gbps": raw[n], "ratio": round(thr.gbps / raw[n], 3),
-                       "latency_ms_p50": round(lat.latency_ms(0.5), 2),
-                       "latency_ms_p99": round(lat.latency_ms(0.99), 2)}
-                rows.append(row)
-                if as_json:
-                    click.echo(json.dumps(row), nl=True)
+        progress(f"{kib} KiB blocks: raw NIXL and memcpy, {', '.join(map(str, block_counts))} blocks per request")
+        base: dict[tuple[str, int], float] = {
+            (r["contender"], r["blocks"]): r["gbps_median"]
+            for r in bench_geometry(bb, list(block_counts), reps=7, batch_bytes=32 << 20,
+                                    only={"raw_nixl", "memcpy"}, patterns=("contig",))}
+        for path in paths:
+            args = [] if path == "same_host" else ["--settings-json", json.dumps({"data": {"same_host": False}})]
+            with PDRig(max(block_counts) * inflight * 2, bb, backend="nixl", stderr=log, worker_args=args) as rig:
+                for n in block_counts:
+                    progress(f"{kib} KiB x {n}: {requests} requests through two workers ({path}), {inflight} in flight")
+                    rig.run(2, n, inflight=1, verify=False, contiguous=True)  # warm-up: sessions, connections
+                    used = {x["data_path"] for x in query(rig.decode.ready.admin)["sessions"] if x["data_path"]}
+                    if used != {path}:
+                        raise click.ClickException(f"the workers were to use {path} but use {sorted(used)}")
+                    thr = rig.run(requests, n, inflight=inflight, verify=False, contiguous=True)
+                    lat = rig.run(max(5, requests // 3), n, inflight=1, verify=False, contiguous=True)
+                    if thr.failures or thr.mismatches or lat.failures:
+                        raise click.ClickException(f"bench run failed: {(thr.failures + lat.failures)[:3]}")
+                    raw, mem = base[("raw_nixl", n)], base[("memcpy", n)]
+                    row = {"block_bytes": bb, "blocks": n, "request_bytes": n * bb, "data_path": path,
+                           "workers_gbps": round(thr.gbps, 3), "raw_nixl_gbps": raw, "memcpy_gbps": mem,
+                           "ratio": round(thr.gbps / raw, 3), "vs_memcpy": round(thr.gbps / mem, 3),
+                           "latency_ms_p50": round(lat.latency_ms(0.5), 3),
+                           "latency_ms_p99": round(lat.latency_ms(0.99), 3)}
+                    rows.append(row)
+                    if as_json:
+                        click.echo(json.dumps(row), nl=True)
     os.unlink(log.name)
     if not as_json:
-        click.echo(_table([[r["block_bytes"] // 1024, r["blocks"], r["workers_gbps"], r["raw_nixl_gbps"], r["ratio"],
-                            r["latency_ms_p50"], r["latency_ms_p99"]] for r in rows],
-                          ["block KiB", "blocks", "workers GB/s", "raw NIXL GB/s", "ratio", "lat p50 ms",
-                           "lat p99 ms"]))
+        click.echo(_table([[r["block_bytes"] // 1024, r["blocks"], r["data_path"], r["workers_gbps"],
+                            r["raw_nixl_gbps"], r["memcpy_gbps"], r["ratio"], r["vs_memcpy"], r["latency_ms_p50"],
+                            r["latency_ms_p99"]] for r in rows],
+                          ["block KiB", "blocks", "path", "workers GB/s", "raw NIXL GB/s", "memcpy GB/s",
+                           "vs raw", "vs memcpy", "lat p50 ms", "lat p99 ms"]))
 
 
 @main.group()

@@ -225,7 +225,11 @@ class Worker:
             if self.ctx is not None:
                 self.ctx.lot.tick()
                 for key in self.kept:  # a kept peer whose session closed: open a new one (_session_for backs off)
-                    if key not in self.out_links and key not in self._resolving and not self.stopping:
+                    link = self.out_links.get(key)
+                    lk = self.ctl.link(link) if link is not None else None
+                    # no link, or one the control transport gave up on (_session_for drops it, then backs off)
+                    if (lk is None or lk.state is LinkState.FAILED) and key not in self._resolving \
+                            and not self.stopping:
                         self._session_for(key, api.OpenSession(key))
             if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
                 self._drained_sent = True  # draining stays in force: new work is still refused
@@ -263,9 +267,9 @@ class Worker:
                 self._read_result(tid, False, reason)
         finally:
             held, self._held_sends = self._held_sends, None
-        self._flush_events()
-        for link, s, send in held:
-            self._run(link, s, [send])
+            self._flush_events()
+            for link, s, send in held:  # even if a result raised: a Release withheld would pin the producer's rows
+                self._run(link, s, [send])
         return True
 
     def _read_result(self, tid: int, ok: bool, reason: str) -> None:

@@ -9,12 +9,19 @@ the first that fails names why the link uses the backend (NIXL or the ZMQ fallba
     our [data] same_host is on                     OFF
     the peer offers its files (its same_host on)   NOT_OFFERED
     same kernel: /proc/sys/kernel/random/boot_id   OTHER_BOOT       another host, another VM
-    the peer's worker is visible here: its pid     NO_PROCESS       another PID namespace (a container), or gone
+    every file is directly under /dev/shm          NOT_SHM          a peer naming /dev/..., a FIFO's path, ../
+    same PID namespace (/proc/self/ns/pid)         NO_PROCESS       a container with its own PID namespace
+    the peer's worker is visible here: its pid     NO_PROCESS       gone, or pid reused
       with the same start time (pidfd opened,
       then the start time read again)
-    every segment path opens here                  NO_FILE          a private /dev/shm (another mount namespace)
-    ... the very file the peer mapped (st_dev,     OTHER_FILE       a same-named file in another /dev/shm
-      st_ino of the descriptor we map)
+    that process maps every advertised file        OTHER_FILE       a peer naming a file it does not use (e.g.
+      (/proc/<pid>/maps: device and inode)                          a third engine's region: we would read it
+                                                                    with our permissions on its behalf)
+    every segment path opens here, without         NO_FILE          a private /dev/shm (another mount namespace)
+      following a link or blocking
+    ... a regular file, the very one the peer      OTHER_FILE       a same-named file in another /dev/shm
+      mapped (st_dev, st_ino of the descriptor
+      we map)
     ... large enough for the peer's geometry       UNUSABLE         (or mmap failed)
 
 Then :class:`SameHostSource` is the peer's region mapped PROT_READ here plus a pidfd of its worker.  A copy is
@@ -37,14 +44,14 @@ import ctypes
 import enum
 import os
 import select
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
 from p2pworker.data.base import split_runs
 from p2pworker.errors import RegionError, RegionIdentityError, TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo, RegionFile, SameHostInfo
-from p2pworker.shm.region import KVRegion, RegionHandle, Segment
+from p2pworker.shm.region import SHM_DIR, KVRegion, RegionHandle, Segment
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -55,7 +62,9 @@ class Refusal(enum.Enum):
     OFF = "turned off here ([data] same_host = false)"
     NOT_OFFERED = "the peer does not offer its region file ([data] same_host = false there)"
     OTHER_BOOT = "another kernel (boot id differs): another host or VM"
+    NOT_SHM = "the peer names a region file that is not directly under /dev/shm"
     NO_PROCESS = "the peer's worker is not visible here (another PID namespace, or it exited)"
+    NOT_MAPPED = "the peer's worker does not map the files it names"
     NO_FILE = "the peer's region file does not open here (a private /dev/shm: another mount namespace)"
     OTHER_FILE = "the peer's region path opens another file here (device/inode differ)"
     UNUSABLE = "the peer's region file cannot be mapped for its geometry"
@@ -91,6 +100,30 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def pid_namespace() -> tuple[int, int]:
+    try:
+        st = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return (0, 0)  # never equal to a peer's real one: the check fails closed
+    return (st.st_dev, st.st_ino)
+
+
+def mapped_files(pid: int) -> set[tuple[int, int]] | None:
+    """(st_dev, st_ino) of every file the process maps (/proc/<pid>/maps), None when we may not read it."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = set()
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) >= 5 and parts[4] != "0":
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            out.add((os.makedev(major, minor), int(parts[4])))
+    return out
+
+
 def local_info(region: KVRegion) -> SameHostInfo:
     """What we offer a same-host peer: our kernel, our process, and the files behind our region as mapped."""
     pid = os.getpid()
@@ -98,7 +131,7 @@ def local_info(region: KVRegion) -> SameHostInfo:
         RegionFile(seg.path, dev, ino, seg.nbytes, seg.file_offset)
         for seg, (dev, ino) in zip(region.handle.segments, region.file_ids)
     )
-    return SameHostInfo(boot_id(), pid, start_ticks(pid) or 0, files, region.handle.data_offset)
+    return SameHostInfo(boot_id(), pid, start_ticks(pid) or 0, files, region.handle.data_offset, pid_namespace())
 
 
 class SameHostSource:
@@ -109,6 +142,11 @@ class SameHostSource:
         self.pid = sh.pid
         self._pidfd: int | None = None
         self._poll = select.poll()
+        for f in sh.files:  # before anything opens them: only vLLM-style region files, by plain names
+            if os.path.dirname(f.path) != SHM_DIR or os.path.basename(f.path) in ("", ".", ".."):
+                raise NotSameHost(Refusal.NOT_SHM, f.path)
+        if tuple(sh.pid_ns) != pid_namespace():
+            raise NotSameHost(Refusal.NO_PROCESS, "another PID namespace")
         if start_ticks(sh.pid) != sh.pid_start_ticks:
             raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid}")
         try:
@@ -120,6 +158,14 @@ class SameHostSource:
             if start_ticks(sh.pid) != sh.pid_start_ticks:
                 raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid} exited during the check")
             self._poll.register(self._pidfd, select.POLLIN)  # readable once the process exited
+            # The files must be that process's own (it maps them): a peer could otherwise name any file it can stat,
+            # e.g. a third engine's region, and have us read it with our permissions into rows it then fetches.
+            mapped = mapped_files(sh.pid)
+            if mapped is None:
+                raise NotSameHost(Refusal.NO_PROCESS, f"/proc/{sh.pid}/maps is not readable here")
+            missing = [f.path for f in sh.files if (f.dev, f.ino) not in mapped]
+            if missing:
+                raise NotSameHost(Refusal.NOT_MAPPED, ", ".join(missing))
             handle = RegionHandle(
                 segments=tuple(Segment(f.path, f.nbytes, f.file_offset) for f in sh.files),
                 num_blocks=info.num_blocks, block_bytes=info.block_bytes, data_offset=sh.data_offset,
@@ -192,6 +238,12 @@ class Copier:
 
     def copy(self, source: SameHostSource, runs: np.ndarray) -> None:
         nbytes = int(runs[:, 2].sum()) * self._bb
+        # The peer's files are mapped here, but another process owns them: shrunk under the mapping, a page past
+        # the end would be a SIGBUS that kills this worker (the adapter would fail its jobs and restart it: no
+        # wrong byte, but every load in flight lost).  vLLM never shrinks a live region; a file that did is
+        # refused here, before we touch it (only a race with our own copy remains: same_host = false removes it).
+        if not source.region.sizes_ok():
+            raise TransferFailed("the peer's region file shrank under its mapping")
         if self.threads == 1 or nbytes < self.split_bytes:
             self._copy_runs(source.address, runs)
         else:
@@ -202,8 +254,9 @@ class Copier:
             try:
                 self._copy_runs(source.address, parts[0])
             finally:
-                for f in futures:  # every part finished (or raised) before we return: nothing copies later
-                    f.result()
+                wait(futures)  # every part ended before we return (or raise): nothing copies into our rows later
+            for f in futures:
+                f.result()
         if not source.alive():
             raise TransferFailed(
                 f"the peer's worker (pid {source.pid}) exited during the copy: its vLLM may have reused the rows"

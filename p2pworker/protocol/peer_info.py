@@ -30,6 +30,7 @@ class SameHostInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pid_start_ticks: int
     files: tuple[RegionFile, ...]
     data_offset: int = 0
+    pid_ns: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of /proc/self/ns/pid: a pid means the same only inside it
 
 
 class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 from typing import Iterator
 
 import msgspec
@@ -136,12 +137,17 @@ class KVRegion:
             raise RegionGeometryError(f"{len(expect_ids)} file identities for {len(handle.segments)} segments")
         try:
             for i, seg in enumerate(handle.segments):
+                # read-only is how we open ANOTHER process's files, by paths a peer named: never block (a FIFO), never
+                # follow a link, never take a terminal; only a regular file is mapped
+                flags = (os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY) if readonly else os.O_RDWR
                 try:
-                    fd = os.open(seg.path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
+                    fd = os.open(seg.path, flags | os.O_CLOEXEC)
                 except FileNotFoundError as e:
                     raise RegionError(f"segment {i} of the region does not exist: {seg.path}") from e
                 fds.append(fd)
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise RegionIdentityError(f"segment {i} ({seg.path}) is not a regular file")
                 size = st.st_size
                 ids.append((st.st_dev, st.st_ino))
                 # the identity of the descriptor we are about to map, not of a path looked up again later
@@ -163,8 +169,13 @@ class KVRegion:
         except BaseException:
             if base:
                 vm.unmap(base, self._reserved)
+            for fd in fds:
+                os.close(fd)
             raise
-        finally:
+        if readonly:
+            self._fds = fds  # kept: sizes_ok() asks them (not the paths, which may name another file by then)
+        else:
+            self._fds = []
             for fd in fds:
                 os.close(fd)  # the mappings keep the pages
         self._base = base
@@ -280,11 +291,20 @@ class KVRegion:
         if self._closed:
             raise RegionError("the region is closed")
 
+    def sizes_ok(self) -> bool:
+        """Every mapped file still holds the bytes the mapping covers (read-only mappings: another process owns
+        the files and could shrink one, after which touching its pages would be a SIGBUS)."""
+        return all(os.fstat(fd).st_size >= seg.file_offset + seg.nbytes
+                   for fd, seg in zip(self._fds, self.handle.segments))
+
     def close(self) -> None:
         """Unmap; the owner also unlinks the files.  Idempotent."""
         if self._closed:
             return
         self._closed = True
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
         vm.unmap(self._base, self._reserved)
         if self.owner:
             for seg in self.handle.segments:

@@ -50,16 +50,27 @@ class Node:
     """One worker with its region (random bytes), as an engine's adapter would own them."""
 
     def __init__(self, name: str, prefix: str, tmp, *, port: int = 0, identity: dict | None = None,
-                 block_bytes: int = BLOCK_BYTES, args: list[str] | None = None, seed: int = 0):
+                 block_bytes: int = BLOCK_BYTES, args: list[str] | None = None, seed: int = 0,
+                 data_path: str = "same_host"):
         self.name, self.prefix, self.tmp, self.port = name, prefix, tmp, port
+        self.data_path = data_path  # what its sessions must use: both workers of a test run on this host
+        self.path_checked = False
         self.identity = identity or {"model": "fault-suite"}
         self.block_bytes = block_bytes
         self.region = KVRegion.create(f"{prefix}{name}", BLOCKS, block_bytes, segment_bytes=1 << 30)
         self.region.array()[:] = np.random.default_rng(seed).integers(0, 256, size=(BLOCKS, block_bytes),
                                                                       dtype=np.uint8)
-        self.args = args or []
+        self.args = list(args or [])
+        if data_path == "nixl":  # off the same-host copy path: NIXL even on one host
+            self.args += ["--settings-json", json.dumps({"data": {"same_host": False}})]
         self.client: WorkerClient | None = None
         self.start()
+
+    def check_data_path(self) -> None:
+        """Every session of this node that has a data path uses the one the test asked for."""
+        paths = {s["data_path"] for s in self.status()["sessions"] if s.get("data_path")}
+        want = self.data_path if self.data_path == "same_host" else "nixl"
+        assert paths <= {want}, f"{self.name}: sessions use {paths}, the test runs on {want}"
 
     def start(self) -> None:
         self.admin = str(self.tmp / f"{self.name}-{time.monotonic_ns()}.admin")
@@ -145,6 +156,9 @@ def pd(prod: Node, cons: Node, jobs: Jobs, req: str, n: int = 16, timeout_s: flo
     sj = park(prod, jobs, req, keys, src)
     lj = load(cons, prod.address, jobs, req, keys, dst)
     ld = jobs.collect(cons, {lj}, timeout_s)[lj]
+    if ld.success and not cons.path_checked:  # once per node: an admin query
+        cons.path_checked = True
+        cons.check_data_path()
     if not ld.success:
         return ld, None  # the parked store is reported when park_timeout_s passes (or at shutdown)
     st = jobs.collect(prod, {sj}, timeout_s)[sj]
@@ -154,15 +168,26 @@ def pd(prod: Node, cons: Node, jobs: Jobs, req: str, n: int = 16, timeout_s: flo
 
 
 @pytest.fixture
-def nodes(shm_prefix, tmp_path):
+def data_path(request) -> str:
+    """The data path the test's nodes use: "same_host" (the default: every node runs on this host) or "nixl"
+    (parametrize with indirect=True to run a test on both)."""
+    return getattr(request, "param", "same_host")
+
+
+@pytest.fixture
+def nodes(shm_prefix, tmp_path, data_path):
     made: list[Node] = []
 
     def make(name: str, **kw) -> Node:
+        kw.setdefault("data_path", data_path)
         n = Node(name, shm_prefix, tmp_path, **kw)
         made.append(n)
         return n
 
     yield make
+    for n in made:  # the test ran on the path it says (sessions still up at its end)
+        if n.client is not None and n.client.alive():
+            n.check_data_path()
     for n in made:
         try:
             n.close()

@@ -43,6 +43,7 @@ def collect_all(node, jobs: Jobs, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("data_path", ["same_host", "nixl"], indirect=True)
 def test_producer_sigstopped_mid_fetch_never_writes_into_the_consumers_rows(nodes, tmp_path, figures):
     """(a) Producer SIGSTOPped in the middle of a 512 MiB fetch: the consumer times out and reports the load
     failed; the test fills the consumer's rows with a canary, SIGCONTs the producer and waits past its lease:
@@ -77,6 +78,7 @@ def test_producer_sigstopped_mid_fetch_never_writes_into_the_consumers_rows(node
     figure(figures, "producer SIGSTOP mid fetch: consumer load reported", f"{took:.2f} s", "≤ lease 2 s + slack")
 
 
+@pytest.mark.parametrize("data_path", ["same_host", "nixl"], indirect=True)
 def test_consumer_sigstopped_mid_read_past_the_lease_never_reports_mixed_bytes(nodes, tmp_path, figures):
     """(b) Consumer SIGSTOPped while its reads run, kept stopped past the producer's lease; the producer's
     rows are then overwritten (as vLLM reuses them); consumer SIGCONT: its load is reported failed, never

@@ -21,6 +21,7 @@ DEADLINE_S = 3.0
 SLACK_S = 1.5  # scheduling noise on a loaded 2-core box
 
 
+@pytest.mark.parametrize("data_path", ["same_host", "nixl"], indirect=True)
 def test_peer_sigkill_during_a_large_transfer(nodes, figures):
     """Peer SIGKILL during a large transfer: every job the consumer had on that peer is reported failed
     within the heartbeat deadline, a transfer from another peer finishes, and the worker keeps serving."""
@@ -48,6 +49,7 @@ def test_peer_sigkill_during_a_large_transfer(nodes, figures):
            f"≤ {DEADLINE_S:g} s + slack")
 
 
+@pytest.mark.parametrize("data_path", ["same_host", "nixl"], indirect=True)
 def test_peer_sigstop_then_sigcont(nodes, figures):
     """A hung peer (SIGSTOP) is declared dead within the deadline; loads on it fail, never hang; after
     SIGCONT it serves again (its session is re-established)."""
@@ -214,6 +216,7 @@ def test_fingerprint_and_block_size_mismatch_name_both_values(nodes, figures):
            "names both values")
 
 
+@pytest.mark.parametrize("data_path", ["same_host", "nixl"], indirect=True)
 def test_shutdown_under_load_writes_nothing_after_close(nodes, figures):
     """Shutdown under load: once the consumer's worker close() returns, not one byte lands in its region
     (a canary written right after close() is intact 2 s later), and the producer survives."""

@@ -29,6 +29,9 @@ SAME_HOST = "one host, loopback, UCX's own transport choice (cma)"  # benchmarks
 # one host, but b in its own mount namespace with a private /dev/shm (a container that does not share the host's):
 # b cannot open a's region file, so the same-host copy path must not be taken
 PRIVATE_SHM = "one host, loopback, b with a private /dev/shm"
+# one host, b in its own PID namespace but sharing this host's /dev/shm (containers that mount the host's /dev/shm
+# but not --pid=host): b opens a's files, yet a's pid means nothing there, so its death could not be seen
+PRIVATE_PID = "one host, loopback, b in its own PID namespace, /dev/shm shared"
 
 
 class Host:
@@ -153,6 +156,8 @@ class TwoHosts:
         if self.mode == PRIVATE_SHM and i == 1:
             return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                     "mount -t tmpfs -o size=512m tmpfs /dev/shm && exec " + " ".join(agent)]
+        if self.mode == PRIVATE_PID and i == 1:  # --mount-proc: its own /proc (and mount namespace), same /dev/shm
+            return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *agent]
         if self.mode != NETNS:
             return agent
         script = ("mount -t tmpfs -o size=512m tmpfs /dev/shm && exec env UCX_NET_DEVICES=" + self.dev[i] + " "
@@ -162,9 +167,10 @@ class TwoHosts:
 
     def start(self, blocks: int, block_bytes: int, port: int = 5710, settings: dict | None = None,
               env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False,
-              private_shm: bool = False) -> None:
-        if same_host or private_shm:  # not emulated at all: both on this host's loopback
-            self.mode, self.ips = PRIVATE_SHM if private_shm else SAME_HOST, ("127.0.0.1", "127.0.0.1")
+              private_shm: bool = False, private_pid: bool = False) -> None:
+        if same_host or private_shm or private_pid:  # not emulated at all: both on this host's loopback
+            mode = PRIVATE_SHM if private_shm else PRIVATE_PID if private_pid else SAME_HOST
+            self.mode, self.ips = mode, ("127.0.0.1", "127.0.0.1")
         else:
             self.make()
             if self.mode == LOOPBACK_TCP:
@@ -258,14 +264,14 @@ class TwoHosts:
 @contextlib.contextmanager
 def two_hosts(tag: str, log_dir: Path, blocks: int, block_bytes: int, settings: dict | None = None,
               env: dict[str, str] | None = None, bind_any: bool = False, same_host: bool = False,
-              private_shm: bool = False):
+              private_shm: bool = False, private_pid: bool = False):
     """Two emulated hosts with agents started; both workers must exit 0 (unless the test took a death into
     account: ``hosts.died``) and nothing may be left behind."""
     hosts = TwoHosts(tag, log_dir)
     t0 = time.monotonic()
     try:
         hosts.start(blocks, block_bytes, settings=settings, env=env, bind_any=bind_any, same_host=same_host,
-                    private_shm=private_shm)
+                    private_shm=private_shm, private_pid=private_pid)
         print(f"emulated hosts: {hosts.mode}{' (' + hosts.why.strip() + ')' if hosts.why else ''}; "
               f"up in {time.monotonic() - t0:.1f} s; data backend {hosts.a.backend}")
         yield hosts

@@ -91,9 +91,12 @@ def test_bench_reports_workers_vs_raw_nixl():
     res = _run("bench", "--json", "--block-kib", "64", "--blocks", "16", "--requests", "4", "--inflight", "2",
                timeout_s=240)
     assert res.returncode == 0, res.stderr[-2000:]
-    (row,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert row["block_bytes"] == 65536 and row["blocks"] == 16
-    assert row["workers_gbps"] > 0 and row["raw_nixl_gbps"] > 0
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [r["data_path"] for r in rows] == ["nixl", "same_host"]  # each path checked against inspect by bench
     assert "bench [" in res.stderr and "64 KiB x 16" in res.stderr  # progress while it runs, on stderr
-    # the printed figures are rounded independently: compare with a tolerance, never rounded value to rounded value
-    assert abs(row["ratio"] - row["workers_gbps"] / row["raw_nixl_gbps"]) <= 0.002 + 0.01 * row["ratio"]
+    for row in rows:
+        assert row["block_bytes"] == 65536 and row["blocks"] == 16
+        assert row["workers_gbps"] > 0 and row["raw_nixl_gbps"] > 0 and row["memcpy_gbps"] > 0
+        # the printed figures are rounded independently: compare with a tolerance, never rounded to rounded
+        assert abs(row["ratio"] - row["workers_gbps"] / row["raw_nixl_gbps"]) <= 0.002 + 0.01 * row["ratio"]
+        assert abs(row["vs_memcpy"] - row["workers_gbps"] / row["memcpy_gbps"]) <= 0.002 + 0.01 * row["vs_memcpy"]

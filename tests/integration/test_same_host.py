@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hosts.emulate import PRIVATE_SHM, two_hosts
+from tests.hosts.emulate import PRIVATE_PID, PRIVATE_SHM, two_hosts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,3 +76,14 @@ def test_a_consumer_with_a_private_dev_shm_uses_nixl_even_with_a_file_at_the_pro
         assert path == "nixl" and "opens another file here" in why, (path, why)
         (path, why), = paths(hosts.a)  # a cannot open b's region file at all
         assert path == "nixl" and "does not open here" in why, (path, why)
+
+
+def test_a_consumer_in_its_own_pid_namespace_uses_nixl_though_it_shares_dev_shm(tmp_path):
+    """A container that mounts the host's /dev/shm but has its own PID namespace: b can open a's region file, but
+    a's pid does not name a's worker there, so a death of that worker mid-copy could not be seen: refused."""
+    with two_hosts("shpid", tmp_path, blocks=512, block_bytes=BLOCK, private_pid=True) as hosts:
+        assert hosts.mode == PRIVATE_PID
+        move_and_check(hosts)
+        for host in (hosts.b, hosts.a):
+            (path, why), = paths(host)
+            assert path == "nixl" and "not visible here" in why and "another PID namespace" in why, (path, why)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import msgspec
 import numpy as np
@@ -46,7 +47,29 @@ def refusal(info: PeerDataInfo, enabled: bool = True) -> Refusal:
 
 @pytest.fixture
 def child():
+    """A process that maps nothing of ours (a pid with a start time, but not the peer's worker)."""
     p = subprocess.Popen(["sleep", "60"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+MAPPER = """
+import mmap, sys, time
+files = [open(p, "rb") for p in sys.argv[1:]]
+maps = [mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) for f in files]
+print("mapped", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def mapper(regions):
+    """A stand-in for the peer's worker: another process that maps the peer region's files."""
+    peer, _ = regions
+    p = subprocess.Popen([sys.executable, "-c", MAPPER, *(s.path for s in peer.handle.segments)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "mapped"
     yield p
     p.kill()
     p.wait()
@@ -63,9 +86,18 @@ def test_every_check_that_fails_names_itself(regions, shm_prefix, child):
     done = subprocess.Popen(["true"])
     done.wait()
     assert refusal(info_of(peer, pid=done.pid)) is Refusal.NO_PROCESS
+    # a PID namespace of its own (a container): its pid numbers mean other processes here
+    assert refusal(info_of(peer, pid_ns=(1, 2))) is Refusal.NO_PROCESS
     files = info.same_host.files
+    # only files directly under /dev/shm, named plainly: never a path a peer picked elsewhere (a device, ../)
+    for bad in ("/etc/passwd", "/dev/zero", f"/dev/shm/../shm/{shm_prefix}peer", "/dev/shm/", "/dev/shm/.."):
+        assert refusal(info_of(peer, files=(replace(files[0], path=bad),) + files[1:])) is Refusal.NOT_SHM, bad
+    # a live process that does not map the files it names: a peer naming a file it does not use (a third engine's
+    # region would be read with OUR permissions on its behalf)
+    assert refusal(info_of(peer, pid=child.pid, pid_start_ticks=samehost.start_ticks(child.pid))) \
+        is Refusal.NOT_MAPPED
     gone = (replace(files[0], path=f"/dev/shm/{shm_prefix}nowhere"),) + files[1:]
-    assert refusal(info_of(peer, files=gone)) is Refusal.NO_FILE
+    assert refusal(info_of(peer, files=gone)) is Refusal.NO_FILE  # the peer maps that file, we cannot open it
     # a file at the advertised path that is not the one the peer mapped: a same-named file in another /dev/shm
     with KVRegion.create(shm_prefix + "decoy", NB // 2, BB) as decoy:
         decoy.array()[:] = 7
@@ -112,21 +144,56 @@ def test_copies_are_byte_exact_and_touch_only_the_granted_rows(regions, threads)
         src.close()
 
 
-def test_a_copy_after_the_peer_worker_exited_fails(regions, child):
+def test_a_copy_after_the_peer_worker_exited_fails(regions, mapper):
     peer, ours = regions
-    info = info_of(peer, pid=child.pid, pid_start_ticks=samehost.start_ticks(child.pid))
+    info = info_of(peer, pid=mapper.pid, pid_start_ticks=samehost.start_ticks(mapper.pid))
     src = open_source(True, info)
     copier = Copier(ours)
     try:
         copier.copy(src, coalesce(np.arange(4), np.arange(4)))  # alive: fine
-        child.kill()
-        child.wait()
+        mapper.kill()
+        mapper.wait()
         assert not src.alive()
         # its vLLM may already have reused the rows: the piece fails (the load is reported failed)
-        with pytest.raises(TransferFailed, match=f"pid {child.pid}.*exited"):
+        with pytest.raises(TransferFailed, match=f"pid {mapper.pid}.*exited"):
             copier.copy(src, coalesce(np.arange(4, 8), np.arange(4)))
     finally:
         src.close()
+
+
+def test_a_peer_file_that_shrank_is_refused_before_it_is_touched(regions):
+    """Touching a page past the end of a shrunk file would be a SIGBUS (the worker dead); the size is checked
+    through the descriptors we mapped before every piece."""
+    peer, ours = regions
+    src = open_source(True, info_of(peer))
+    copier = Copier(ours)
+    try:
+        copier.copy(src, coalesce(np.arange(4), np.arange(40, 44)))
+        os.truncate(peer.handle.segments[1].path, 4096)
+        with pytest.raises(TransferFailed, match="shrank"):
+            copier.copy(src, coalesce(np.arange(4), np.arange(40, 44)))  # rows in the shrunk second file
+    finally:
+        src.close()
+
+
+def test_a_peer_named_fifo_or_directory_is_refused_without_blocking(shm_prefix, regions):
+    """The files are opened non-blocking, without following links: a FIFO (whose open would block the worker's
+    loop forever), a directory or a link is refused at once."""
+    from p2pworker.errors import RegionIdentityError
+    from p2pworker.shm import RegionHandle, Segment
+
+    peer, _ = regions
+    fifo, link = f"/dev/shm/{shm_prefix}fifo", f"/dev/shm/{shm_prefix}link"
+    os.mkfifo(fifo)
+    os.symlink(peer.handle.segments[0].path, link)
+    try:
+        for path, err in ((fifo, RegionIdentityError), ("/dev/shm", RegionIdentityError), (link, OSError)):
+            h = RegionHandle(segments=(Segment(path, 4096),), num_blocks=1, block_bytes=4096)
+            with pytest.raises(err):
+                KVRegion.attach_readonly(h, ((0, 0),))
+    finally:
+        os.unlink(fifo)
+        os.unlink(link)
 
 
 def test_a_transport_offers_its_file_only_when_on(regions):

@@ -48,6 +48,8 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
         decode.mgr.on_new_request(ctx)
     assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
     decode.step(["d-req"])  # submit_load: one batched job
+    # handed to the worker by that step's on_schedule_end, not left for a later poll round (issue 16)
+    assert decode.tier._outbox == [] and decode.tier._jobs
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
     assert decode.lookup(ctx, ids) == [LookupResult.HIT] * len(ids)
     with decode.lock:
