@@ -86,6 +86,84 @@ def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port:
     return spec.get_manager()
 
 
+def _hop_install(tier, role):
+    """Per-hop tracing of the tier (CLOCK_MONOTONIC ns): submit, flush to the command ring (which thread), the
+    JobFinished seen in _pump (which thread).  Rows: (ns, tag, info...)."""
+    from p2pworker import api as _api
+
+    TR = []
+    main = threading.main_thread()
+
+    def th():
+        return "main" if threading.current_thread() is main else "poll"
+
+    for name in ("submit_load", "submit_store"):
+        f0 = getattr(tier, name)
+
+        def w(job, _f0=f0, _name=name):
+            TR.append((time.monotonic_ns(), _name, job.job_id, th()))
+            return _f0(job)
+        setattr(tier, name, w)
+    fl0 = tier._flush
+
+    def flush():
+        before = [c.job_id for c in tier._outbox if isinstance(c, (_api.LoadJob, _api.StoreJob))]
+        t0 = time.monotonic_ns()
+        r = fl0()
+        if before:
+            left = {c.job_id for c in tier._outbox if isinstance(c, (_api.LoadJob, _api.StoreJob))}
+            for j in before:
+                if j not in left:
+                    TR.append((time.monotonic_ns(), "flushed", j, th(), t0))
+        return r
+    tier._flush = flush
+    fin0 = tier._finish
+
+    def finish(job_id, success, *a, **k):
+        TR.append((time.monotonic_ns(), "finished", job_id, th(), int(success)))
+        return fin0(job_id, success, *a, **k)
+    tier._finish = finish
+    pump0 = tier._pump
+
+    def pump():
+        TR.append((time.monotonic_ns(), "pump", th()))
+        return pump0()
+    tier._pump = pump
+    return TR
+
+
+def _hop_acc(mgr, tier):
+    """Cumulative ns inside the manager's pieces of a lookup pass (reset per pass)."""
+    ACC = {}
+
+    def wrap(obj, name, label):
+        f0 = getattr(obj, name)
+
+        def f(*a, _f0=f0, **k):
+            t0 = time.monotonic_ns()
+            try:
+                return _f0(*a, **k)
+            finally:
+                ACC[label] = ACC.get(label, 0) + time.monotonic_ns() - t0
+        setattr(obj, name, f)
+
+    wrap(mgr, "lookup", "mgr.lookup")
+    wrap(mgr, "_maybe_process_finished_jobs", "mgr.poll")
+    wrap(mgr.primary_tier, "lookup", "primary.lookup")
+    wrap(mgr.primary_tier, "prepare_write", "primary.prepare_write")
+    wrap(mgr._metrics, "on_lookup", "metrics.on_lookup")
+    wrap(tier, "lookup", "tier.lookup")
+    return ACC
+
+
+def _hop_dump(TR, role):
+    d = os.environ["HOPTRACE_DIR"]
+    os.makedirs(d, exist_ok=True)
+    with open(f"{d}/sched_{role}_{os.getpid()}.txt", "w") as f:
+        for row in TR:
+            f.write(" ".join(map(str, row)) + "\n")
+
+
 class Timed:
     """Wraps a tier instance's methods; records durations of scheduler-thread calls."""
 
@@ -134,6 +212,9 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
 
     mgr = build(kind, role, port, row, num_chunks, peer_port)
     tier = mgr.secondary_tiers[0]
+    # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
+    TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
+    ACC = _hop_acc(mgr, tier) if TR is not None else None
     timed = Timed(tier)
     view = np.asarray(tier._primary_kv_view)
     lock = getattr(mgr, "lock", None) or threading.Lock()
@@ -154,6 +235,8 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
             if cmd[0] == "store":  # what prefill does: primary store, then the cascade parks it in the tier
                 _, rid, n = cmd
                 timed.take()  # from here on: the producer's tier calls for this request (store + cascade)
+                if TR is not None:
+                    TR.append((time.monotonic_ns(), "store_cmd", rid))
                 ctx = ReqContext(req_id=rid, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
                 keys = [key(rid, i) for i in range(n)]
                 index = {k: i for i, k in enumerate(keys)}  # not keys.index: O(n) per key
@@ -166,6 +249,8 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
                     mgr.complete_store(out.keys_to_store, ctx)
                     mgr.on_request_finished(ctx)
                 step([rid])
+                if TR is not None:
+                    TR.append((time.monotonic_ns(), "store_stepped", rid))
                 conn.send("stored")
             elif cmd[0] == "drain":  # producer: wait until the tier reported its jobs, then report its calls
                 deadline = time.monotonic() + 30
@@ -186,17 +271,28 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
                 deadline = time.monotonic() + 60
                 pass_s: list[float] = []  # each pass of lookups over every key (vLLM's manager + the tier)
                 while True:
+                    if TR is not None:
+                        ACC.clear()
+                        TR.append((time.monotonic_ns(), "lk0", rid, "cpu=%d" % time.thread_time_ns()))
                     tp = time.perf_counter()
                     with lock:
                         res = [mgr.lookup(k, ctx) for k in keys]
                     pass_s.append(time.perf_counter() - tp)
+                    if TR is not None:
+                        TR.append((time.monotonic_ns(), "lk1", rid, ",".join(sorted({r.name for r in res})),
+                                   "cpu=%d" % time.thread_time_ns(),
+                                   ";".join(f"{k}={v // 1000}" for k, v in sorted(ACC.items()))))
                     if all(r is LookupResult.HIT for r in res) or time.monotonic() > deadline:
                         break
                     if any(r is LookupResult.MISS for r in res):
                         break
                     step([ctx.req_id] if first else ())
                     first = False
+                    if TR is not None:
+                        TR.append((time.monotonic_ns(), "stepped", rid))
                     time.sleep(0.001)
+                    if TR is not None:
+                        TR.append((time.monotonic_ns(), "slept", rid))
                 dt = time.perf_counter() - t0
                 ok = all(r is LookupResult.HIT for r in res)
                 if ok:
@@ -211,6 +307,8 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
                 conn.send({"s": dt, "ok": ok, "results": sorted({r.name for r in res}), "calls": timed.take(),
                            "off_thread_s": timed.off_thread_s, "passes": len(pass_s), "pass_s": pass_s})
     finally:
+        if TR is not None:
+            _hop_dump(TR, role)
         del view
         mgr.shutdown()
         conn.send("closed")
