@@ -7,14 +7,21 @@ consumer's worker alone for that long (it sleeps in its idle poll: up to its 50 
 command ring and spin on the event ring until its JobFinished is there.  The LoadJob has no keys, so the session
 answers at once ("bad load") without touching the peer: the figure is the wake (the ring's bell, zmq_poll
 returning), taking the command, the session, and the event back, as vLLM's tier sees it.  The hot figure (no idle
-time before the command) is measured in the same run for comparison.  Prints one JSON line per idle time.
+time before the command) is measured in the same run for comparison, and so is the floor under any design: two
+bare processes ping-ponging one byte through a pair of FIFOs (each blocked in poll(2)) after the same idle time.
+Prints one JSON line per contender and idle time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
+import select
+import shutil
 import statistics
+import tempfile
 import time
 
 from p2pworker import api
@@ -42,20 +49,64 @@ def measure(rig: PDRig, idle_s: float, n: int) -> list[float]:
     return out
 
 
+def _fifo_echo(pa: str, pb: str, n: int) -> None:
+    fa, fb = os.open(pa, os.O_RDWR | os.O_NONBLOCK), os.open(pb, os.O_RDWR | os.O_NONBLOCK)
+    p = select.poll()
+    p.register(fa, select.POLLIN)
+    for _ in range(n):
+        p.poll(10_000)
+        os.read(fa, 64)
+        os.write(fb, b"x")
+
+
+def fifo_round_trips(idle_s: float, n: int) -> list[float]:
+    """Two bare processes, each asleep in poll(2) on its FIFO: the wake-up floor of this machine."""
+    d = tempfile.mkdtemp(prefix="p2pw-wake-")
+    pa, pb = os.path.join(d, "a"), os.path.join(d, "b")
+    os.mkfifo(pa)
+    os.mkfifo(pb)
+    fa, fb = os.open(pa, os.O_RDWR | os.O_NONBLOCK), os.open(pb, os.O_RDWR | os.O_NONBLOCK)
+    child = mp.get_context("spawn").Process(target=_fifo_echo, args=(pa, pb, n))
+    child.start()
+    p = select.poll()
+    p.register(fb, select.POLLIN)
+    out = []
+    try:
+        for _ in range(n):
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            os.write(fa, b"x")
+            p.poll(10_000)
+            os.read(fb, 64)
+            out.append(time.perf_counter() - t0)
+    finally:
+        child.join(10)
+        for fd in (fa, fb):
+            os.close(fd)
+        shutil.rmtree(d)
+    return out
+
+
+def row(contender: str, idle_ms: float, xs: list[float]) -> str:
+    xs = sorted(xs)
+    return json.dumps({"contender": contender, "idle_ms": idle_ms, "n": len(xs),
+                       "p50_us": round(statistics.median(xs) * 1e6, 1),
+                       "p99_us": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e6, 1),
+                       "max_us": round(xs[-1] * 1e6, 1)})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200)
-    ap.add_argument("--idle-ms", default="20,200", help="idle times before each command, ms (0 = hot)")
+    ap.add_argument("--idle-ms", default="20,200", help="idle times before each command, ms (0 = hot is always run)")
     a = ap.parse_args()
     with PDRig(64, 16384) as rig:
         res = rig.run(2, 4, inflight=1, verify=True)  # the session between the two workers, up and used
         assert not res.failures and not res.mismatches, res.failures
         for idle_ms in [0.0] + [float(x) for x in a.idle_ms.split(",")]:
-            xs = sorted(measure(rig, idle_ms / 1e3, a.n if idle_ms else 10 * a.n))
-            print(json.dumps({"idle_ms": idle_ms, "n": len(xs),
-                              "p50_us": round(statistics.median(xs) * 1e6, 1),
-                              "p99_us": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e6, 1),
-                              "max_us": round(xs[-1] * 1e6, 1)}), flush=True)
+            n = a.n if idle_ms else 10 * a.n
+            print(row("worker", idle_ms, measure(rig, idle_ms / 1e3, n)), flush=True)
+            print(row("bare_fifo_pair", idle_ms, fifo_round_trips(idle_ms / 1e3, n)), flush=True)
         codes = rig.close()
     assert codes == [0, 0], codes
 
