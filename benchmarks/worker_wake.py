@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import select
-import shutil
 import statistics
-import tempfile
 import time
+
+import wake_latency  # benchmarks/: run as a script, its directory is on the path (spawned children too)
 
 from p2pworker import api
 from p2pworker.bench.pd import PDRig
@@ -49,44 +46,6 @@ def measure(rig: PDRig, idle_s: float, n: int) -> list[float]:
     return out
 
 
-def _fifo_echo(pa: str, pb: str, n: int) -> None:
-    fa, fb = os.open(pa, os.O_RDWR | os.O_NONBLOCK), os.open(pb, os.O_RDWR | os.O_NONBLOCK)
-    p = select.poll()
-    p.register(fa, select.POLLIN)
-    for _ in range(n):
-        p.poll(10_000)
-        os.read(fa, 64)
-        os.write(fb, b"x")
-
-
-def fifo_round_trips(idle_s: float, n: int) -> list[float]:
-    """Two bare processes, each asleep in poll(2) on its FIFO: the wake-up floor of this machine."""
-    d = tempfile.mkdtemp(prefix="p2pw-wake-")
-    pa, pb = os.path.join(d, "a"), os.path.join(d, "b")
-    os.mkfifo(pa)
-    os.mkfifo(pb)
-    fa, fb = os.open(pa, os.O_RDWR | os.O_NONBLOCK), os.open(pb, os.O_RDWR | os.O_NONBLOCK)
-    child = mp.get_context("spawn").Process(target=_fifo_echo, args=(pa, pb, n))
-    child.start()
-    p = select.poll()
-    p.register(fb, select.POLLIN)
-    out = []
-    try:
-        for _ in range(n):
-            time.sleep(idle_s)
-            t0 = time.perf_counter()
-            os.write(fa, b"x")
-            p.poll(10_000)
-            os.read(fb, 64)
-            out.append(time.perf_counter() - t0)
-    finally:
-        child.join(10)
-        for fd in (fa, fb):
-            os.close(fd)
-        shutil.rmtree(d)
-    return out
-
-
 def row(contender: str, idle_ms: float, xs: list[float]) -> str:
     xs = sorted(xs)
     return json.dumps({"contender": contender, "idle_ms": idle_ms, "n": len(xs),
@@ -106,7 +65,10 @@ def main() -> None:
         for idle_ms in [0.0] + [float(x) for x in a.idle_ms.split(",")]:
             n = a.n if idle_ms else 10 * a.n
             print(row("worker", idle_ms, measure(rig, idle_ms / 1e3, n)), flush=True)
-            print(row("bare_fifo_pair", idle_ms, fifo_round_trips(idle_ms / 1e3, n)), flush=True)
+            # benchmarks/wake_latency.py's FIFO pair (the ring's bell is a FIFO): p50/p99 over its samples after
+            # the first sixth (its warm-up)
+            bare = wake_latency.run("fifo", n, idle_ms / 1e3)
+            print(json.dumps({**bare, "contender": "bare_fifo_pair", "idle_ms": idle_ms}), flush=True)
         codes = rig.close()
     assert codes == [0, 0], codes
 

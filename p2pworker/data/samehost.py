@@ -14,9 +14,8 @@ the first that fails names why the link uses the backend (NIXL or the ZMQ fallba
     the peer's worker is visible here: its pid     NO_PROCESS       gone, or pid reused
       with the same start time (pidfd opened,
       then the start time read again)
-    that process maps every advertised file        OTHER_FILE       a peer naming a file it does not use (e.g.
-      (/proc/<pid>/maps: device and inode)                          a third engine's region: we would read it
-                                                                    with our permissions on its behalf)
+    that process maps every advertised file        NOT_MAPPED       a peer naming a file no process it names
+      (/proc/<pid>/maps: device and inode)                          uses (see the trust note below)
     every segment path opens here, without         NO_FILE          a private /dev/shm (another mount namespace)
       following a link or blocking
     ... a regular file, the very one the peer      OTHER_FILE       a same-named file in another /dev/shm
@@ -28,6 +27,14 @@ Then :class:`SameHostSource` is the peer's region mapped PROT_READ here plus a p
 one ``memmove`` per run (ctypes releases the GIL, so a large piece is split over ``copy_threads`` threads), and
 runs synchronously inside the data transport's post, like NIXL's cma copy on one host: the piece is DONE when
 the call returns, so the exactly-once and lease rules of :mod:`p2pworker.data.pieces` hold unchanged.
+
+Trust: the pid a peer advertises is checked (visible, same namespace, maps the files) but not bound to the
+control connection the Hello came over.  A peer holding the shared secret, on this host, can therefore name
+ANOTHER local process and a /dev/shm file that process maps, and we would copy that file's rows (read with our
+permissions) into the rows granted for its keys.  Peers that hold the secret can already read every engine they
+have a session with through NIXL; what this adds is files of other local processes that our uid may read.  And a
+process that may write the producer's file can shrink it while we copy (SIGBUS: our worker dies, its jobs fail,
+no wrong byte).  Where engines on one host must not trust each other that far, set [data] same_host = false.
 
 Invariant 7, both sides: we write only OUR rows (the destination is our region; the peer's mapping is read-only,
 a write there would fault).  A producer row must not be handed back to its vLLM while we still read it: the
@@ -108,19 +115,28 @@ def pid_namespace() -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
+MAPS_MAX_BYTES = 16 << 20  # a worker's maps is ~100 KiB; a process mapping more is not one we copy from
+
+
 def mapped_files(pid: int) -> set[tuple[int, int]] | None:
-    """(st_dev, st_ino) of every file the process maps (/proc/<pid>/maps), None when we may not read it."""
+    """(st_dev, st_ino) of every file the process maps (/proc/<pid>/maps), None when we may not read it (or it is
+    not the map of a worker).  Bytes, not text: a mapped path may hold any byte but a newline."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            data = f.read(MAPS_MAX_BYTES + 1)
     except OSError:
         return None
+    if len(data) > MAPS_MAX_BYTES:
+        return None
     out = set()
-    for line in lines:
+    for line in data.splitlines():
         parts = line.split(maxsplit=5)
-        if len(parts) >= 5 and parts[4] != "0":
-            major, minor = (int(x, 16) for x in parts[3].split(":"))
-            out.add((os.makedev(major, minor), int(parts[4])))
+        try:
+            if len(parts) >= 5 and parts[4] != b"0":
+                major, minor = (int(x, 16) for x in parts[3].split(b":"))
+                out.add((os.makedev(major, minor), int(parts[4])))
+        except ValueError:
+            return None  # not the kernel's format: refuse rather than guess
     return out
 
 
@@ -205,7 +221,9 @@ class SameHostSource:
 
 
 def open_source(enabled: bool, info: PeerDataInfo) -> SameHostSource:
-    """The checks of the table above, in order; raises :class:`NotSameHost` naming the first that fails."""
+    """The checks of the table above, in order; raises :class:`NotSameHost` naming the first that fails.  Any
+    other failure while checking (peer input we did not foresee) is a refusal too: the link then uses the
+    backend, and the worker lives on (invariant 3)."""
     if not enabled:
         raise NotSameHost(Refusal.OFF)
     sh = info.same_host
@@ -214,7 +232,12 @@ def open_source(enabled: bool, info: PeerDataInfo) -> SameHostSource:
     ours = boot_id()
     if not ours or sh.boot_id != ours:
         raise NotSameHost(Refusal.OTHER_BOOT, f"{sh.boot_id!r} vs ours {ours!r}")
-    return SameHostSource(info, sh)
+    try:
+        return SameHostSource(info, sh)
+    except NotSameHost:
+        raise
+    except Exception as e:
+        raise NotSameHost(Refusal.UNUSABLE, f"{type(e).__name__}: {e}") from e
 
 
 class Copier:

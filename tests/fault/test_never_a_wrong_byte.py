@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from p2pworker import api
-from tests.fault.conftest import BLOCKS, Jobs, figure, keys_for, load, park
+from tests.fault.conftest import BLOCKS, Jobs, figure, keys_for, load, park, pd
 
 pytestmark = pytest.mark.timeout(240)
 CANARY = 0xA5
@@ -57,6 +57,7 @@ def test_producer_sigstopped_mid_fetch_never_writes_into_the_consumers_rows(node
     batches = [(keys[i:i + 32], src[i:i + 32]) for i in range(0, BLOCKS, 32)]
     sjs = [park(prod, jobs, "big", k, r, finished=False) for k, r in batches[:3]]
     time.sleep(0.3)  # three batches (192 MiB) offered and being read
+    cons.check_data_path()  # on the path this run is for
     prod.kill(signal.SIGSTOP)
     t0 = time.monotonic()
     try:
@@ -88,6 +89,7 @@ def test_consumer_sigstopped_mid_read_past_the_lease_never_reports_mixed_bytes(n
     jobs = Jobs()
     caught = 0
     outcomes: list[str] = []
+    pd(prod, cons, jobs, "warm-up", n=4)  # the session up (and its data path checked) before the stops
     for attempt, delay_s in enumerate((0.03, 0.01, 0.0)):
         keys = keys_for(f"r{attempt}", BLOCKS)
         src = list(range(BLOCKS))

@@ -211,3 +211,21 @@ def test_a_transport_offers_its_file_only_when_on(regions):
                     (s.path, os.stat(s.path).st_dev, os.stat(s.path).st_ino) for s in peer.handle.segments]
         finally:
             assert tr.close()
+
+
+def test_odd_bytes_in_the_named_process_map_are_a_refusal_not_a_crash(shm_prefix, regions):
+    """/proc/<pid>/maps shows mapped paths raw (any byte but a newline): a process the peer names that maps a
+    file named with non-UTF-8 bytes must give a refusal (the link uses NIXL), not an exception out of add_peer."""
+    peer, _ = regions
+    odd = os.fsencode(f"/dev/shm/{shm_prefix}odd") + b"\xff\xfe name"
+    with open(odd, "wb") as f:
+        f.truncate(4096)
+    p = subprocess.Popen([sys.executable, "-c", MAPPER, os.fsdecode(odd)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "mapped"
+        got = refusal(info_of(peer, pid=p.pid, pid_start_ticks=samehost.start_ticks(p.pid)))
+        assert got is Refusal.NOT_MAPPED  # it maps the odd file, not the peer's region
+    finally:
+        p.kill()
+        p.wait()
+        os.unlink(odd)
