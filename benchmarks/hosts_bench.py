@@ -40,15 +40,16 @@ def main() -> None:
                     help="the workers' passive_burst_s (default: the worker's, 1.0; 0 turns the burst off)")
     ap.add_argument("--same-host", action="store_true",
                     help="after the emulated hosts, the same measurement with both hosts on this host's loopback "
-                         "and UCX's own transport choice (cma): the same-host figures, same run")
+                         "and UCX's own transport choice (cma), the workers kept on NIXL ([data] same_host = false: "
+                         "p2pworker bench measures the same-host copy path): the same-host figures, same run")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args()
     worker = {k: v for k, v in (("passive_poll_s", args.passive_poll_s), ("passive_burst_s", args.passive_burst_s))
               if v is not None}
     settings = {"worker": worker} if worker else None
     results = [measure(args, settings, same_host=False)]
-    if args.same_host:
-        results.append(measure(args, settings, same_host=True))
+    if args.same_host:  # workers vs raw NIXL over cma: keep the workers on NIXL
+        results.append(measure(args, {**(settings or {}), "data": {"same_host": False}}, same_host=True))
     for mode, rows in results:
         print(f"hosts: {mode}; {args.rounds} rounds x {args.reps} reps, 256 KiB blocks, medians")
         print(f"{'MiB':>5} {'workers GB/s':>13} {'raw NIXL GB/s':>14} {'ratio':>6} {'workers p50 ms':>15} "
