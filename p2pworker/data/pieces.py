@@ -232,8 +232,8 @@ class PieceTransport(DataTransport):
 
     def _post(self, t: Transfer, piece: np.ndarray) -> None:
         handle = None
+        source = t.peer.remote.source
         try:
-            source = t.peer.remote.source
             if source is not None:
                 self._copier.copy(source, piece)  # every byte copied, or it raised
                 state = XferState.DONE
@@ -241,7 +241,7 @@ class PieceTransport(DataTransport):
                 state, handle = self._post_piece(t, piece)
         except Exception as e:
             state = XferState.ERR
-            how = "same-host copy" if t.peer.remote.source is not None else f"{self.backend} post"
+            how = "same-host copy" if source is not None else f"{self.backend} post"
             t.error = t.error or f"{how} failed: {type(e).__name__}: {e}"
         self.stats.posts += 1
         self.stats.descriptors += len(piece)

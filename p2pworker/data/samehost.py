@@ -58,6 +58,7 @@ import numpy as np
 from p2pworker.data.base import split_runs
 from p2pworker.errors import RegionError, RegionIdentityError, TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo, RegionFile, SameHostInfo
+from p2pworker.shm.liveness import start_time
 from p2pworker.shm.region import SHM_DIR, KVRegion, RegionHandle, Segment
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -92,21 +93,6 @@ def boot_id() -> str:
         return ""  # never equal to a peer's: the check fails closed
 
 
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22), None if not visible."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # the command name (field 2) is in parentheses and may hold spaces and ')': split after the LAST ')'
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19])  # field 22 overall: fields 3.. start at index 0 here
-    except (IndexError, ValueError):
-        return None
-
-
 def pid_namespace() -> tuple[int, int]:
     try:
         st = os.stat("/proc/self/ns/pid")
@@ -115,7 +101,9 @@ def pid_namespace() -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
-MAPS_MAX_BYTES = 16 << 20  # a worker's maps is ~100 KiB; a process mapping more is not one we copy from
+# A worker's maps is ~100 KiB; a process mapping more is not one we copy from.  A bound on a process, not on a
+# job (invariant 8): a region of any size is one line per segment file.
+MAPS_MAX_BYTES = 16 << 20
 
 
 def mapped_files(pid: int) -> set[tuple[int, int]] | None:
@@ -147,7 +135,7 @@ def local_info(region: KVRegion) -> SameHostInfo:
         RegionFile(seg.path, dev, ino, seg.nbytes, seg.file_offset)
         for seg, (dev, ino) in zip(region.handle.segments, region.file_ids)
     )
-    return SameHostInfo(boot_id(), pid, start_ticks(pid) or 0, files, region.handle.data_offset, pid_namespace())
+    return SameHostInfo(boot_id(), pid, start_time(pid), files, region.handle.data_offset, pid_namespace())
 
 
 class SameHostSource:
@@ -163,7 +151,7 @@ class SameHostSource:
                 raise NotSameHost(Refusal.NOT_SHM, f.path)
         if tuple(sh.pid_ns) != pid_namespace():
             raise NotSameHost(Refusal.NO_PROCESS, "another PID namespace")
-        if start_ticks(sh.pid) != sh.pid_start_ticks:
+        if not sh.pid_start_ticks or start_time(sh.pid) != sh.pid_start_ticks:  # 0: no such process here
             raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid}")
         try:
             self._pidfd = os.pidfd_open(sh.pid)
@@ -171,7 +159,7 @@ class SameHostSource:
             raise NotSameHost(Refusal.NO_PROCESS, f"pidfd_open({sh.pid}): {e}") from e
         try:
             # read again AFTER opening: the pidfd now surely names the process that started at that tick
-            if start_ticks(sh.pid) != sh.pid_start_ticks:
+            if start_time(sh.pid) != sh.pid_start_ticks:
                 raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid} exited during the check")
             self._poll.register(self._pidfd, select.POLLIN)  # readable once the process exited
             # The files must be that process's own (it maps them): a peer could otherwise name any file it can stat,

@@ -19,6 +19,7 @@ from p2pworker.data.samehost import Copier, NotSameHost, Refusal, open_source
 from p2pworker.errors import TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo
 from p2pworker.shm import KVRegion
+from p2pworker.shm.liveness import start_time
 
 NB, BB = 64, 16384
 replace = msgspec.structs.replace
@@ -94,7 +95,7 @@ def test_every_check_that_fails_names_itself(regions, shm_prefix, child):
         assert refusal(info_of(peer, files=(replace(files[0], path=bad),) + files[1:])) is Refusal.NOT_SHM, bad
     # a live process that does not map the files it names: a peer naming a file it does not use (a third engine's
     # region would be read with OUR permissions on its behalf)
-    assert refusal(info_of(peer, pid=child.pid, pid_start_ticks=samehost.start_ticks(child.pid))) \
+    assert refusal(info_of(peer, pid=child.pid, pid_start_ticks=start_time(child.pid))) \
         is Refusal.NOT_MAPPED
     gone = (replace(files[0], path=f"/dev/shm/{shm_prefix}nowhere"),) + files[1:]
     assert refusal(info_of(peer, files=gone)) is Refusal.NO_FILE  # the peer maps that file, we cannot open it
@@ -146,7 +147,7 @@ def test_copies_are_byte_exact_and_touch_only_the_granted_rows(regions, threads)
 
 def test_a_copy_after_the_peer_worker_exited_fails(regions, mapper):
     peer, ours = regions
-    info = info_of(peer, pid=mapper.pid, pid_start_ticks=samehost.start_ticks(mapper.pid))
+    info = info_of(peer, pid=mapper.pid, pid_start_ticks=start_time(mapper.pid))
     src = open_source(True, info)
     copier = Copier(ours)
     try:
@@ -223,7 +224,7 @@ def test_odd_bytes_in_the_named_process_map_are_a_refusal_not_a_crash(shm_prefix
     p = subprocess.Popen([sys.executable, "-c", MAPPER, os.fsdecode(odd)], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "mapped"
-        got = refusal(info_of(peer, pid=p.pid, pid_start_ticks=samehost.start_ticks(p.pid)))
+        got = refusal(info_of(peer, pid=p.pid, pid_start_ticks=start_time(p.pid)))
         assert got is Refusal.NOT_MAPPED  # it maps the odd file, not the peer's region
     finally:
         p.kill()
