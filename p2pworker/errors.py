@@ -54,6 +54,11 @@ class TransferFailed(P2PError):
         self.transfer_id = transfer_id
 
 
+class PeerUnusable(TransferFailed):
+    """The data plane cannot read from this peer at all (found at the first read from a peer that dialed us): the
+    session is closed, as when the peer is refused when it is added."""
+
+
 class DataPlaneUnavailable(P2PError):
     """The configured data-plane backend cannot run here (library missing, backend not created,
     region not registered); the message names the cause and the remedy."""

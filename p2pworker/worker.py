@@ -38,7 +38,7 @@ from p2pworker.admin import AdminServer
 from p2pworker.config import WorkerConfig
 from p2pworker.control import ControlTransport, LinkDown, LinkState, LinkUp, Received, ZmqControl
 from p2pworker.data import DataTransport, make_data_transport
-from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, TransferFailed
+from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, PeerUnusable, TransferFailed
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol.messages import PROTOCOL_VERSION, encode
 from p2pworker.session import (
@@ -606,9 +606,11 @@ class Worker:
                         log.warning("control link %s: %s; closing its session", link, e)
                         link_was, link = link, None  # nothing more goes out on it
                         todo.extend(s.close(f"control link {link_was} unusable: {e}"))
-                case AddDataPeer(info=info):
+                case AddDataPeer(info=info, dialed=dialed):
                     try:
-                        self.data.add_peer(link, info)
+                        # a link a peer dialed (a PD producer's 64 consumers) proves its same-host path only when
+                        # first read from (never, for a producer): no handover per accepted link
+                        self.data.add_peer(link, info, now=dialed)
                     except TransferFailed as e:
                         todo.clear()  # not the HelloAck, not the queued messages
                         todo.extend(s.close(f"data plane refused the peer: {e}", bye=True))
@@ -617,6 +619,9 @@ class Worker:
                 case PostRead(read_id=rid, local_rows=local, remote_rows=remote):
                     try:
                         tid = self.data.read_blocks(s.link, local, remote)
+                    except PeerUnusable as e:  # as a refusal at AddDataPeer: this session cannot move data
+                        todo.extend(s.on_read_result(rid, False, f"read refused: {e}"))
+                        todo.extend(s.close(f"data plane refused the peer: {e}", bye=True))
                     except TransferFailed as e:
                         todo.extend(s.on_read_result(rid, False, f"read refused: {e}"))
                     else:

@@ -132,8 +132,11 @@ class DataTransport(abc.ABC):
         """What peers need to read rows out of this region."""
 
     @abc.abstractmethod
-    def add_peer(self, peer_key: str, info: PeerDataInfo) -> None:
+    def add_peer(self, peer_key: str, info: PeerDataInfo, *, now: bool = True) -> None:
         """Make the region ``info`` describes readable under ``peer_key``.
+
+        ``now=False`` (a link the peer dialed: it may never be read from) lets
+        a transport defer the work of choosing its path to the first read.
 
         ``peer_key`` is an opaque key, unique per control link (``"out-3"``,
         ``"in-ab12"``), not the peer's id: several keys may name the same

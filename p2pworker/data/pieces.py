@@ -31,6 +31,7 @@ the bottom.
 from __future__ import annotations
 
 import abc
+import enum
 import logging
 import time
 from collections import deque
@@ -41,12 +42,21 @@ import numpy as np
 
 from p2pworker.data import samehost
 from p2pworker.data.base import DataTransport, PeerDataInfo, TransferStats, XferState, check_rows, coalesce, split_runs
-from p2pworker.errors import TransferFailed
+from p2pworker.errors import PeerUnusable, TransferFailed
 from p2pworker.shm.region import KVRegion
 
 log = logging.getLogger(__name__)
 
 _EMPTY: tuple[tuple[int, ...], tuple[tuple[int, str], ...]] = ((), ())
+
+
+class RemotePath(enum.Enum):
+    """How reads from a remote move (inspect shows the value)."""
+
+    UNDECIDED = "undecided"  # a same-host candidate on a link it dialed: chosen at our first read, nothing loaded
+    SAME_HOST = "same_host"  # copied out of its region file (``source``); the backend never saw it
+    BACKEND = "backend"  # loaded into the backend (``state``)
+    UNUSABLE = "unusable"  # the backend refused it at our first read: reads fail (the worker closes the session)
 
 
 @dataclass(eq=False)
@@ -59,6 +69,7 @@ class Remote:
     state: Any = None  # backend state (e.g. a socket)
     source: samehost.SameHostSource | None = None  # set: the same-host path (the backend never saw this remote)
     refusal: str = ""  # why not the same-host path (inspect)
+    path: RemotePath = RemotePath.BACKEND
 
 
 @dataclass(eq=False)
@@ -103,7 +114,11 @@ class PieceTransport(DataTransport):
     ):
         self._region = region
         self.same_host = same_host  # offer our region file to same-host peers, and copy from theirs
-        self._same_host_info = samehost.local_info(region) if same_host else None
+        # Started by the first _info(), not here: a backend whose constructor fails after ours (NIXL missing under
+        # backend "auto") must not leave a handover thread and socket behind; close() ends it.
+        self._handover: samehost.handover.HandoverServer | None = None
+        self._same_host_info: samehost.SameHostInfo | None = None
+        self._offer_tried = False
         self._copier = samehost.Copier(region, threads=copy_threads)
         self._bb = region.block_bytes
         self.max_piece_bytes = max_piece_bytes
@@ -125,6 +140,13 @@ class PieceTransport(DataTransport):
 
     def _info(self, **backend_fields) -> PeerDataInfo:
         """This region's PeerDataInfo plus the backend's own fields (metadata, endpoint, ...)."""
+        if self.same_host and not self._offer_tried and not self._closed:
+            self._offer_tried = True
+            try:
+                self._handover = samehost.serve(self._region)
+                self._same_host_info = samehost.local_info(self._region, self._handover)
+            except Exception as e:  # our own files, checked: only an odd host gets here; peers then use the backend
+                log.warning("not offering our region to same-host peers: %s: %s", type(e).__name__, e)
         return PeerDataInfo(
             backend=self.backend, agent_name=self.agent_name, base_address=self._region.address,
             num_blocks=self._region.num_blocks, block_bytes=self._bb, same_host=self._same_host_info,
@@ -132,7 +154,7 @@ class PieceTransport(DataTransport):
         )
 
     # ------------------------------------------------------------ peers
-    def add_peer(self, peer_key: str, info: PeerDataInfo) -> None:
+    def add_peer(self, peer_key: str, info: PeerDataInfo, *, now: bool = True) -> None:
         if self._closed:
             raise TransferFailed("the data transport is closed")
         if info.backend != self.backend:
@@ -146,11 +168,14 @@ class PieceTransport(DataTransport):
         remote = self._remotes.get(info.agent_name)
         if remote is None:
             remote = Remote(info.agent_name, info)
-            try:
-                remote.source = samehost.open_source(self.same_host, info)
-            except samehost.NotSameHost as e:
-                remote.refusal = str(e)
+            early = samehost.precheck(self.same_host, info)  # no I/O: the flags, the boot id, the paths
+            if early is not None:
+                remote.refusal = str(early)
                 remote.state = self._remote_add(remote.name, info)  # raises TransferFailed: nothing recorded then
+            elif now:
+                self._resolve(remote)  # raises TransferFailed: nothing recorded then
+            else:
+                remote.path = RemotePath.UNDECIDED
             self._remotes[remote.name] = remote
         elif not _same_incarnation(remote.info, info):
             # A restarted peer reusing its agent name while reads through the old incarnation can
@@ -161,9 +186,31 @@ class PieceTransport(DataTransport):
                 f"(used by {sorted(p.key for p in remote.refs)}); remove those links and let their reads "
                 f"settle first, or give each process start a unique agent name"
             )
+        elif now and remote.path is RemotePath.UNDECIDED:
+            self._resolve(remote)  # a link we dialed to an agent first met on one it dialed
         peer = Peer(peer_key, remote, info.base_address, info.num_blocks)
         remote.refs.add(peer)
         self._peers[peer_key] = peer
+
+    def _resolve(self, remote: Remote) -> None:
+        """Choose a same-host candidate's path: the handover and the checks (a local round trip to the peer's
+        handover thread, bounded by handover.TIMEOUT_S), else the backend.  Raises TransferFailed when the backend
+        refuses the remote; a remote first met on a link it dialed is then UNUSABLE (no second try per read)."""
+        try:
+            remote.source = samehost.open_source(self.same_host, remote.info)
+            remote.path = RemotePath.SAME_HOST
+            return
+        except samehost.NotSameHost as e:
+            remote.refusal = str(e)
+        try:
+            remote.state = self._remote_add(remote.name, remote.info)
+        except TransferFailed as e:
+            if remote.path is RemotePath.UNDECIDED:
+                remote.path = RemotePath.UNUSABLE
+                remote.refusal = f"{remote.refusal}; the {self.backend} backend refused it too: {e}"
+                raise PeerUnusable(str(e)) from e
+            raise
+        remote.path = RemotePath.BACKEND
 
     def remove_peer(self, peer_key: str) -> None:
         peer = self._peers.pop(peer_key, None)
@@ -182,8 +229,13 @@ class PieceTransport(DataTransport):
         peer = self._peers.get(peer_key)
         if peer is None:
             return None
-        if peer.remote.source is not None:
-            return "same_host", ""
+        match peer.remote.path:
+            case RemotePath.SAME_HOST:
+                return "same_host", ""
+            case RemotePath.UNDECIDED:
+                return "undecided", "chosen at the first read from this peer (it dialed us)"
+            case RemotePath.UNUSABLE:
+                return "unusable", peer.remote.refusal
         return self.backend, peer.remote.refusal
 
     def remotes(self) -> dict[str, int]:
@@ -206,9 +258,9 @@ class PieceTransport(DataTransport):
             return
         del self._remotes[remote.name]
         try:
-            if remote.source is not None:
+            if remote.path is RemotePath.SAME_HOST:
                 remote.source.close()  # nothing copies from it: copies are synchronous, and no ref is left
-            else:
+            elif remote.path is RemotePath.BACKEND:  # the others were never loaded
                 self._remote_forget(remote)
         except Exception as e:
             log.debug("forgetting remote agent %s: %s", remote.name, e)
@@ -221,6 +273,10 @@ class PieceTransport(DataTransport):
         if peer is None:
             raise TransferFailed(f"unknown data peer {peer_key!r}")
         lr, rr = check_rows(local_rows, remote_rows, self._region.num_blocks, peer.num_blocks)
+        if peer.remote.path is RemotePath.UNDECIDED:
+            self._resolve(peer.remote)  # raises PeerUnusable: the caller closes the session
+        elif peer.remote.path is RemotePath.UNUSABLE:
+            raise PeerUnusable(peer.remote.refusal)
         pieces = deque(split_runs(coalesce(lr, rr), self._bb, self.max_piece_bytes))
         tid = self._next_id
         self._next_id += 1
@@ -364,6 +420,8 @@ class PieceTransport(DataTransport):
     def close(self, timeout_s: float = 10.0) -> bool:
         if self._closed:
             return True
+        if self._handover is not None:
+            self._handover.close()  # first: no peer gets our files any more, even if the rest cannot finish yet
         self.cancel(list(self._transfers))
         if not self._wait_posted(None, timeout_s):
             n = sum(len(t.posted) for t in self._transfers.values())

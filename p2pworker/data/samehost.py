@@ -10,31 +10,39 @@ the first that fails names why the link uses the backend (NIXL or the ZMQ fallba
     the peer offers its files (its same_host on)   NOT_OFFERED
     same kernel: /proc/sys/kernel/random/boot_id   OTHER_BOOT       another host, another VM
     every file is directly under /dev/shm          NOT_SHM          a peer naming /dev/..., a FIFO's path, ../
-    same PID namespace (/proc/self/ns/pid)         NO_PROCESS       a container with its own PID namespace
-    the peer's worker is visible here: its pid     NO_PROCESS       gone, or pid reused
-      with the same start time (pidfd opened,
-      then the start time read again)
-    that process maps every advertised file        NOT_MAPPED       a peer naming a file no process it names
-      (/proc/<pid>/maps: device and inode)                          uses (see the trust note below)
-    every segment path opens here, without         NO_FILE          a private /dev/shm (another mount namespace)
-      following a link or blocking
-    ... a regular file, the very one the peer      OTHER_FILE       a same-named file in another /dev/shm
-      mapped (st_dev, st_ino of the descriptor
-      we map)
+    ... no more than handover.MAX_FILES            UNUSABLE
+    its handover socket has our naming             NO_SOCKET        a peer pointing us at another service
+    ... in our network namespace                   NO_SOCKET        another network namespace
+    the peer's worker hands us its files'          NO_SOCKET        it did not answer within 1 s, or refused
+      descriptors on its local socket, for the
+      token it told us (p2pworker.data.handover)
+    the kernel names the socket's process          NO_PROCESS       a worker in a PID namespace not visible
+      (SO_PEERCRED), and a pidfd of it shows no                     here, or it exited during the handover
+      exit (SO_PEERPIDFD, or pidfd_open while it
+      waits for our ack)
+    the descriptors are the files it names, each   NOT_HELD         a peer naming files it does not hold, or
+      open for reading                                              cannot read (O_PATH, write-only)
+    every path opens here, without following       NO_FILE          a private /dev/shm (another mount namespace)
+      a link or blocking
+    ... a regular file, the very one handed over   OTHER_FILE       a same-named file in another /dev/shm
+      (st_dev, st_ino of the descriptor we map)
     ... large enough for the peer's geometry       UNUSABLE         (or mmap failed)
+
+The first seven need no I/O with the peer (:func:`precheck`); the rest is a round trip to the peer's handover
+thread, run when we dial the peer (we mean to read from it) or, on a link the peer dialed, at our first read from
+it (a PD producer accepting 64 consumers never reads from them: no handover for those links).
 
 Then :class:`SameHostSource` is the peer's region mapped PROT_READ here plus a pidfd of its worker.  A copy is
 one ``memmove`` per run (ctypes releases the GIL, so a large piece is split over ``copy_threads`` threads), and
 runs synchronously inside the data transport's post, like NIXL's cma copy on one host: the piece is DONE when
 the call returns, so the exactly-once and lease rules of :mod:`p2pworker.data.pieces` hold unchanged.
 
-Trust: the pid a peer advertises is checked (visible, same namespace, maps the files) but not bound to the
-control connection the Hello came over.  A peer holding the shared secret, on this host, can therefore name
-ANOTHER local process and a /dev/shm file that process maps, and we would copy that file's rows (read with our
-permissions) into the rows granted for its keys.  Peers that hold the secret can already read every engine they
-have a session with through NIXL; what this adds is files of other local processes that our uid may read.  And a
-process that may write the producer's file can shrink it while we copy (SIGBUS: our worker dies, its jobs fail,
-no wrong byte).  Where engines on one host must not trust each other that far, set [data] same_host = false.
+Trust: what we read is only what the peer's worker could open for reading itself (it hands over descriptors, not
+names), and the process whose liveness we watch is the one the kernel says holds the handover socket the producer
+named, in the network namespace the producer named, not a pid the peer advertised.  We still map
+the path we open ourselves (checked to be the very file handed over): a container with its own /dev/shm keeps to
+the backend, as its operator drew that line.  A process that may write the producer's file can shrink it while
+we copy (SIGBUS: our worker dies, its jobs fail, no wrong byte); where that matters, set [data] same_host = false.
 
 Invariant 7, both sides: we write only OUR rows (the destination is our region; the peer's mapping is read-only,
 a write there would fault).  A producer row must not be handed back to its vLLM while we still read it: the
@@ -49,16 +57,18 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import fcntl
 import os
 import select
+import stat
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
+from p2pworker.data import handover
 from p2pworker.data.base import split_runs
 from p2pworker.errors import RegionError, RegionIdentityError, TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo, RegionFile, SameHostInfo
-from p2pworker.shm.liveness import start_time
 from p2pworker.shm.region import SHM_DIR, KVRegion, RegionHandle, Segment
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -71,11 +81,15 @@ class Refusal(enum.Enum):
     NOT_OFFERED = "the peer does not offer its region file ([data] same_host = false there)"
     OTHER_BOOT = "another kernel (boot id differs): another host or VM"
     NOT_SHM = "the peer names a region file that is not directly under /dev/shm"
+    NO_SOCKET = "the peer's worker does not hand over its files here (another network namespace, or no answer)"
     NO_PROCESS = "the peer's worker is not visible here (another PID namespace, or it exited)"
-    NOT_MAPPED = "the peer's worker does not map the files it names"
+    NOT_HELD = "the peer's worker does not hold the files it names"
     NO_FILE = "the peer's region file does not open here (a private /dev/shm: another mount namespace)"
     OTHER_FILE = "the peer's region path opens another file here (device/inode differ)"
     UNUSABLE = "the peer's region file cannot be mapped for its geometry"
+
+
+_FROM_HANDOVER = {handover.Failure.NO_ANSWER: Refusal.NO_SOCKET, handover.Failure.NO_PROCESS: Refusal.NO_PROCESS}
 
 
 class NotSameHost(Exception):
@@ -93,89 +107,64 @@ def boot_id() -> str:
         return ""  # never equal to a peer's: the check fails closed
 
 
-def pid_namespace() -> tuple[int, int]:
+def net_namespace() -> tuple[int, int]:
     try:
-        st = os.stat("/proc/self/ns/pid")
+        st = os.stat("/proc/self/ns/net")
     except OSError:
         return (0, 0)  # never equal to a peer's real one: the check fails closed
     return (st.st_dev, st.st_ino)
 
 
-# A worker's maps is ~100 KiB; a process mapping more is not one we copy from.  A bound on a process, not on a
-# job (invariant 8): a region of any size is one line per segment file.
-MAPS_MAX_BYTES = 16 << 20
+def serve(region: KVRegion) -> handover.HandoverServer:
+    """The handover socket through which same-host peers get our region's files (the owner closes it)."""
+    return handover.HandoverServer([seg.path for seg in region.handle.segments], region.file_ids)
 
 
-def mapped_files(pid: int) -> set[tuple[int, int]] | None:
-    """(st_dev, st_ino) of every file the process maps (/proc/<pid>/maps), None when we may not read it (or it is
-    not the map of a worker).  Bytes, not text: a mapped path may hold any byte but a newline."""
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            data = f.read(MAPS_MAX_BYTES + 1)
-    except OSError:
-        return None
-    if len(data) > MAPS_MAX_BYTES:
-        return None
-    out = set()
-    for line in data.splitlines():
-        parts = line.split(maxsplit=5)
-        try:
-            if len(parts) >= 5 and parts[4] != b"0":
-                major, minor = (int(x, 16) for x in parts[3].split(b":"))
-                out.add((os.makedev(major, minor), int(parts[4])))
-        except ValueError:
-            return None  # not the kernel's format: refuse rather than guess
-    return out
-
-
-def local_info(region: KVRegion) -> SameHostInfo:
-    """What we offer a same-host peer: our kernel, our process, and the files behind our region as mapped."""
-    pid = os.getpid()
+def local_info(region: KVRegion, server: handover.HandoverServer) -> SameHostInfo:
+    """What we offer a same-host peer: our kernel, the files behind our region as mapped, and where (and with
+    which token) our worker hands their descriptors over."""
     files = tuple(
         RegionFile(seg.path, dev, ino, seg.nbytes, seg.file_offset)
         for seg, (dev, ino) in zip(region.handle.segments, region.file_ids)
     )
-    return SameHostInfo(boot_id(), pid, start_time(pid), files, region.handle.data_offset, pid_namespace())
+    return SameHostInfo(boot_id(), server.name, server.token, files, region.handle.data_offset, net_namespace())
 
 
 class SameHostSource:
     """A peer's region mapped read-only here, and a pidfd of the worker that holds its leases.  Owned by one
     remote record of the data transport; :meth:`close` unmaps (only once nothing copies from it)."""
 
-    def __init__(self, info: PeerDataInfo, sh: SameHostInfo) -> None:
-        self.pid = sh.pid
+    def __init__(self, info: PeerDataInfo, sh: SameHostInfo, timeout_s: float = handover.TIMEOUT_S) -> None:
+        self.pid = 0
         self._pidfd: int | None = None
         self._poll = select.poll()
-        for f in sh.files:  # before anything opens them: only vLLM-style region files, by plain names
-            if os.path.dirname(f.path) != SHM_DIR or os.path.basename(f.path) in ("", ".", ".."):
-                raise NotSameHost(Refusal.NOT_SHM, f.path)
-        if tuple(sh.pid_ns) != pid_namespace():
-            raise NotSameHost(Refusal.NO_PROCESS, "another PID namespace")
-        if not sh.pid_start_ticks or start_time(sh.pid) != sh.pid_start_ticks:  # 0: no such process here
-            raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid}")
         try:
-            self._pidfd = os.pidfd_open(sh.pid)
-        except OSError as e:
-            raise NotSameHost(Refusal.NO_PROCESS, f"pidfd_open({sh.pid}): {e}") from e
+            handed = handover.receive(sh.socket, sh.token, len(sh.files), timeout_s)
+        except handover.HandoverRefused as e:
+            raise NotSameHost(_FROM_HANDOVER[e.failure], e.detail) from e
         try:
-            # read again AFTER opening: the pidfd now surely names the process that started at that tick
-            if start_time(sh.pid) != sh.pid_start_ticks:
-                raise NotSameHost(Refusal.NO_PROCESS, f"pid {sh.pid} exited during the check")
+            self.pid, self._pidfd = handed.pid, handed.pidfd
             self._poll.register(self._pidfd, select.POLLIN)  # readable once the process exited
-            # The files must be that process's own (it maps them): a peer could otherwise name any file it can stat,
-            # e.g. a third engine's region, and have us read it with our permissions into rows it then fetches.
-            mapped = mapped_files(sh.pid)
-            if mapped is None:
-                raise NotSameHost(Refusal.NO_PROCESS, f"/proc/{sh.pid}/maps is not readable here")
-            missing = [f.path for f in sh.files if (f.dev, f.ino) not in mapped]
-            if missing:
-                raise NotSameHost(Refusal.NOT_MAPPED, ", ".join(missing))
+            held = []
+            for fd in handed.fds:
+                st, fl = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+                # Open for reading: the peer could read the file itself.  An O_PATH or write-only descriptor needs
+                # no read permission (O_PATH: only search on /dev/shm), and we must not read for it what it cannot.
+                readable = not fl & os.O_PATH and fl & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+                held.append((st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) and readable else None)
+            named = [(f.dev, f.ino) for f in sh.files]
+            if held != named:
+                # A peer naming files it did not hand over: they are not its own to offer (a third engine's region
+                # would be read with OUR permissions on its behalf).
+                raise NotSameHost(Refusal.NOT_HELD, f"handed {len(held)} file(s), not the {len(named)} it names")
             handle = RegionHandle(
                 segments=tuple(Segment(f.path, f.nbytes, f.file_offset) for f in sh.files),
                 num_blocks=info.num_blocks, block_bytes=info.block_bytes, data_offset=sh.data_offset,
             )
             try:
-                self.region = KVRegion.attach_readonly(handle, tuple((f.dev, f.ino) for f in sh.files))
+                # We map the path we open ourselves, checked to be the very file handed over: a consumer with its
+                # own /dev/shm (a container) does not see the producer's file by its path, and keeps to the backend.
+                self.region = KVRegion.attach_readonly(handle, tuple(held))
             except RegionIdentityError as e:
                 raise NotSameHost(Refusal.OTHER_FILE, str(e)) from e
             except RegionError as e:  # missing file (geometry errors are RegionError too: checked first)
@@ -187,6 +176,8 @@ class SameHostSource:
         except BaseException:
             self._close_pidfd()
             raise
+        finally:
+            handed.close_fds()  # the identity proof is done; the map holds our own descriptors
         self.address = self.region.address
 
     def alive(self) -> bool:
@@ -208,20 +199,43 @@ class SameHostSource:
             region.close()
 
 
+def precheck(enabled: bool, info: PeerDataInfo) -> NotSameHost | None:
+    """The checks of the table above that need no I/O with the peer (the flags, the boot id, the paths): the
+    refusal, or None when the peer is a same-host candidate (then :func:`open_source` decides)."""
+    if not enabled:
+        return NotSameHost(Refusal.OFF)
+    sh = info.same_host
+    if sh is None:
+        return NotSameHost(Refusal.NOT_OFFERED)
+    ours = boot_id()
+    if not ours or sh.boot_id != ours:
+        return NotSameHost(Refusal.OTHER_BOOT, f"{sh.boot_id!r} vs ours {ours!r}")
+    for f in sh.files:  # before anything opens them: only vLLM-style region files, by plain names
+        if os.path.dirname(f.path) != SHM_DIR or os.path.basename(f.path) in ("", ".", ".."):
+            return NotSameHost(Refusal.NOT_SHM, f.path)
+    if len(sh.files) > handover.MAX_FILES:
+        return NotSameHost(Refusal.UNUSABLE, f"{len(sh.files)} region files (more than {handover.MAX_FILES})")
+    # We connect to the name the peer gives and send it a token: only to a p2pworker handover socket's name, never
+    # to another local service's abstract socket a peer picked
+    if not handover.NAME_RE.fullmatch(sh.socket) or len(sh.token) != handover.TOKEN_BYTES:
+        return NotSameHost(Refusal.NO_SOCKET, f"not a p2pworker handover socket: {sh.socket[:80]!r}")
+    # Its socket is bound in the network namespace it names; in any other, that name is not its: whoever bound
+    # it there (another peer told the name) could hand over its files while the producer's worker is not the
+    # process we would watch
+    if tuple(sh.net_ns) != net_namespace():
+        return NotSameHost(Refusal.NO_SOCKET, "another network namespace")
+    return None
+
+
 def open_source(enabled: bool, info: PeerDataInfo) -> SameHostSource:
     """The checks of the table above, in order; raises :class:`NotSameHost` naming the first that fails.  Any
     other failure while checking (peer input we did not foresee) is a refusal too: the link then uses the
     backend, and the worker lives on (invariant 3)."""
-    if not enabled:
-        raise NotSameHost(Refusal.OFF)
-    sh = info.same_host
-    if sh is None:
-        raise NotSameHost(Refusal.NOT_OFFERED)
-    ours = boot_id()
-    if not ours or sh.boot_id != ours:
-        raise NotSameHost(Refusal.OTHER_BOOT, f"{sh.boot_id!r} vs ours {ours!r}")
+    early = precheck(enabled, info)
+    if early is not None:
+        raise early
     try:
-        return SameHostSource(info, sh)
+        return SameHostSource(info, info.same_host)
     except NotSameHost:
         raise
     except Exception as e:

@@ -21,8 +21,9 @@ from p2pworker.fingerprint import Fingerprint
 from p2pworker.limits import MAX_FRAME_BYTES, MAX_JOB_KEYS, MAX_KEY_BYTES, MAX_MSG_KEYS
 
 # 2: consumer pull (Fetch/Offer/Release) replaced producer push.  3: key lists of any length go as parts.
-# 4: PeerDataInfo.same_host (a same-host peer copies from our region file).
-PROTOCOL_VERSION = 4
+# 4: PeerDataInfo.same_host (a same-host peer copies from our region file).  5: it gets the file descriptors
+# over a local socket (SameHostInfo.socket/token) instead of trusting an advertised pid.
+PROTOCOL_VERSION = 5
 # Invariant 8: a frame carries at most MAX_KEYS keys (so it stays far below MAX_FRAME_BYTES), and a round or a
 # lookup of more keys goes as several frames: Fetch/Lookup parts (``part`` 0, 1, ...; ``more`` on all but the
 # last), Offers in pieces (``final`` on the last), Release/LookupResp parts (``more``).  The receiver puts the

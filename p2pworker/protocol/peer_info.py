@@ -22,15 +22,16 @@ class RegionFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_
 
 class SameHostInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a peer on the same host needs to copy rows straight out of our region file, and to prove it is one:
-    the kernel's boot id, our worker's pid with its start time (clock ticks after boot, /proc/<pid>/stat field
-    22: a pid alone may name another process), and the region's files.  Checked by ``p2pworker.data.samehost``."""
+    the kernel's boot id, the region's files, and where our worker hands their descriptors over (an abstract
+    AF_UNIX name, and the token it asks for: sent only over the authenticated control channel).  The peer learns
+    our pid from the kernel during the handover, never from us.  Checked by ``p2pworker.data.samehost``."""
 
     boot_id: str
-    pid: int
-    pid_start_ticks: int
+    socket: str
+    token: bytes
     files: tuple[RegionFile, ...]
     data_offset: int = 0
-    pid_ns: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of /proc/self/ns/pid: a pid means the same only inside it
+    net_ns: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of /proc/self/ns/net: where ``socket`` is bound
 
 
 class PeerDataInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

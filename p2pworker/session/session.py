@@ -122,6 +122,7 @@ class AddDataPeer:
     """Register the peer's region with the data plane under this session's link."""
 
     info: PeerDataInfo
+    dialed: bool = True  # we dialed the peer (to read from it); False: it dialed us, and may never be read from
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +328,7 @@ class Session:
         if self.expected_peer_id and peer_id != self.expected_peer_id:
             raise RemoteProtocolError(f"hello from {peer_id!r} on a link authenticated as {self.expected_peer_id!r}")
         self.peer_id = peer_id
-        self._out.append(AddDataPeer(info))
+        self._out.append(AddDataPeer(info, dialed=ack is None))
         self._data_added = True
         self.peer_info = info
         if ack is not None:

@@ -68,11 +68,14 @@ class Node:
 
     def check_data_path(self, require: bool = True) -> None:
         """Every session of this node that has a data path uses the one the test asked for; with ``require``,
-        there is at least one (a session is up: call it right after a load went through)."""
-        paths = {s["data_path"] for s in self.status()["sessions"] if s.get("data_path")}
+        there is at least one (a session is up: call it right after a load went through).  A link the peer dialed
+        and that we never read from has none yet ("undecided")."""
+        sessions = [s for s in self.status()["sessions"] if s.get("data_path") not in (None, "", "undecided")]
+        paths = {s["data_path"] for s in sessions}
         want = self.data_path if self.data_path == "same_host" else "nixl"
         assert paths == {want} if require else paths <= {want}, \
-            f"{self.name}: sessions use {paths or 'nothing'}, the test runs on {want}"
+            f"{self.name}: sessions use {paths or 'nothing'}, the test runs on {want}: " \
+            f"{[(s['link'], s['data_path'], s.get('data_path_why')) for s in sessions]}"
 
     def start(self) -> None:
         self.admin = str(self.tmp / f"{self.name}-{time.monotonic_ns()}.admin")
@@ -187,14 +190,16 @@ def nodes(shm_prefix, tmp_path, data_path):
         return n
 
     yield make
-    for n in made:  # the test ran on the path it says (sessions still up at its end)
-        if n.client is not None and n.client.alive():
-            n.check_data_path(require=False)
-    for n in made:
-        try:
-            n.close()
-        finally:
-            n.region.close()
+    try:
+        for n in made:  # the test ran on the path it says (sessions still up at its end)
+            if n.client is not None and n.client.alive():
+                n.check_data_path(require=False)
+    finally:  # a failed check must not leave the workers running (they would load every later test)
+        for n in made:
+            try:
+                n.close()
+            finally:
+                n.region.close()
 
 
 @pytest.fixture(scope="session")

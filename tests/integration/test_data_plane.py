@@ -104,6 +104,58 @@ def test_scattered_rows_land_byte_exact(children, shm_prefix, local_region, back
         assert tr.close()
 
 
+@pytest.mark.parametrize("offered", ["answers", "no_handover_here", "nothing_usable"])
+def test_a_link_the_peer_dialed_chooses_its_path_at_the_first_read(children, shm_prefix, local_region, offered,
+                                                                   monkeypatch):
+    """``add_peer(now=False)`` (the peer dialed us): no handover until we read from it; the first read runs the
+    checks and takes the same-host path, or, when they fail (here: no handover socket of that name), loads the
+    peer into NIXL then; both byte-exact.  When NIXL refuses it too, the read fails with PeerUnusable (the worker
+    closes the session) and so does every later one, without another handover."""
+    from p2pworker.data import samehost
+    from p2pworker.errors import PeerUnusable
+
+    handovers = []
+    real = samehost.handover.receive
+    monkeypatch.setattr(samehost.handover, "receive", lambda *a, **k: (handovers.append(a[0]), real(*a, **k))[1])
+    peer = PeerProc(children, "same_host", shm_prefix + "peer", 512, 16384, seed=7)
+    tr = transport(local_region, "same_host", agent_name=f"local-{os.getpid()}-lazy")
+    try:
+        info = peer.info
+        if offered != "answers":
+            info = msgspec.structs.replace(
+                info, same_host=msgspec.structs.replace(info.same_host, socket="p2pworker-ho-" + "0" * 16))
+        if offered == "nothing_usable":
+            info = msgspec.structs.replace(info, metadata=b"not a NIXL agent's metadata")
+        tr.add_peer("in-1", info, now=False)
+        path, why = tr.path_of("in-1")
+        assert path == "undecided" and "first read" in why, (path, why)
+        assert tr.remotes() == {info.agent_name: 1} and handovers == []  # nothing asked of the peer yet
+        rows = np.arange(40, 72)
+        if offered == "nothing_usable":
+            for _ in range(2):
+                with pytest.raises(PeerUnusable):
+                    tr.read_blocks("in-1", rows, rows + 100)
+            assert len(handovers) == 1, handovers  # decided once
+            path, why = tr.path_of("in-1")
+            assert path == "unusable" and "refused it too" in why, (path, why)
+            assert (local_region.array()[rows] == CANARY).all()
+        else:
+            tid = tr.read_blocks("in-1", rows, rows + 100)
+            assert settle(tr, [tid]) == {tid: None}
+            assert (local_region.array()[rows] == peer.expected()[rows + 100]).all()
+            tid = tr.read_blocks("in-1", rows, rows + 200)
+            assert settle(tr, [tid]) == {tid: None}
+            assert len(handovers) == 1, handovers
+            path, why = tr.path_of("in-1")
+            if offered == "answers":
+                assert (path, why) == ("same_host", "")
+            else:
+                assert path == "nixl" and "does not hand over its files here" in why, (path, why)
+        peer.exit(children)
+    finally:
+        assert tr.close()
+
+
 @pytest.mark.parametrize("backend", MODES)
 @pytest.mark.timeout(180)
 def test_peer_killed_mid_transfer_fails_in_deadline_and_others_keep_working(children, shm_prefix, backend):

@@ -50,11 +50,29 @@ def move_and_check(hosts) -> None:
     assert rep["success"] and same_bytes(hosts, src, dst), rep
 
 
+def load_back(hosts, job: int = 9000) -> None:
+    """a loads 8 rows from b (the other way), byte-exact."""
+    ks = keys(f"r-back-{job}", 8)
+    hosts.b.call(op="store", job=job, request=f"r-back-{job}", keys=ks, rows=list(range(8)))
+    hosts.a.call(op="load", job=job + 1, address=hosts.b.address, request=f"r-back-{job}", keys=ks,
+                 rows=list(range(400, 408)))
+    done = hosts.a.call(op="wait", jobs=[job + 1], timeout_s=60, wait_s=70)["done"]
+    assert done[str(job + 1)]["success"], done
+    assert hosts.b.call(op="digest", rows=list(range(8)))["sha256"] == \
+        hosts.a.call(op="digest", rows=list(range(400, 408)))["sha256"]
+
+
 def test_workers_on_one_host_copy_from_the_region_file_byte_exact(tmp_path):
     with two_hosts("sh", tmp_path, blocks=512, block_bytes=BLOCK, same_host=True) as hosts:
         move_and_check(hosts)
         assert paths(hosts.b) == {("same_host", "")}  # the consumer copies out of a's file
-        assert paths(hosts.a) == {("same_host", "")}  # and would, the other way
+        # a accepted b's link and has not read from it: its path is chosen at its first read (no handover for
+        # links a producer only serves)
+        (path, why), = paths(hosts.a)
+        assert path == "undecided" and "first read" in why, (path, why)
+        load_back(hosts)
+        assert ("same_host", "") in paths(hosts.a) and {p for p, _ in paths(hosts.a)} <= {"same_host", "undecided"}, \
+            paths(hosts.a)
 
 
 def test_same_host_turned_off_uses_nixl_with_the_same_bytes(tmp_path):
@@ -74,16 +92,22 @@ def test_a_consumer_with_a_private_dev_shm_uses_nixl_even_with_a_file_at_the_pro
         move_and_check(hosts)
         (path, why), = paths(hosts.b)
         assert path == "nixl" and "opens another file here" in why, (path, why)
-        (path, why), = paths(hosts.a)  # a cannot open b's region file at all
-        assert path == "nixl" and "does not open here" in why, (path, why)
+        load_back(hosts)
+        got = paths(hosts.a)  # a cannot open b's region file at all
+        assert any(p == "nixl" and "does not open here" in why for p, why in got), got
+        assert "same_host" not in {p for p, _ in got}, got
 
 
-def test_a_consumer_in_its_own_pid_namespace_uses_nixl_though_it_shares_dev_shm(tmp_path):
-    """A container that mounts the host's /dev/shm but has its own PID namespace: b can open a's region file, but
-    a's pid does not name a's worker there, so a death of that worker mid-copy could not be seen: refused."""
+def test_a_worker_in_its_own_pid_namespace_is_copied_from_only_where_the_kernel_shows_it(tmp_path):
+    """A container that mounts the host's /dev/shm but has its own PID namespace (b).  b cannot see a's worker (the
+    kernel names the sender of a's files pid 0 there), so a death of that worker mid-copy could not be seen: b uses
+    NIXL.  a sees b's worker (b's namespace is a child of a's; the kernel translates the pid), watches it through a
+    pidfd, and copies from b's file: the pid comes from the kernel, not from b."""
     with two_hosts("shpid", tmp_path, blocks=512, block_bytes=BLOCK, private_pid=True) as hosts:
         assert hosts.mode == PRIVATE_PID
-        move_and_check(hosts)
-        for host in (hosts.b, hosts.a):
-            (path, why), = paths(host)
-            assert path == "nixl" and "not visible here" in why and "another PID namespace" in why, (path, why)
+        move_and_check(hosts)  # b loads from a
+        (path, why), = paths(hosts.b)
+        assert path == "nixl" and "not visible here" in why and "PID namespace" in why, (path, why)
+        load_back(hosts)  # and a loads from b, on the same-host path
+        assert ("same_host", "") in paths(hosts.a) and {p for p, _ in paths(hosts.a)} <= {"same_host", "undecided"}, \
+            paths(hosts.a)

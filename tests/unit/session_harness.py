@@ -68,7 +68,7 @@ class FakeData:
     removed: list[str] = field(default_factory=list)
     _next: int = 1
 
-    def add_peer(self, key, info):
+    def add_peer(self, key, info, now=True):
         if info.block_bytes != BLOCK:
             raise TransferFailed(f"block_bytes={info.block_bytes}, local block_bytes={BLOCK}")
         self.peers[key] = info

@@ -1,25 +1,30 @@
-"""The same-host copy path's checks (p2pworker/data/samehost.py): it is chosen only when every check passes, each
-failing check names itself, and a copy is byte-exact, into our rows only, and refused once the peer's worker died.
+"""The same-host copy path's checks (p2pworker/data/samehost.py, p2pworker/data/handover.py): it is chosen only
+when every check passes, each failing check names itself, the files and the process come from the kernel (handed
+over descriptors, SO_PEERCRED) rather than from the peer's word, and a copy is byte-exact, into our rows only, and
+refused once the peer's worker died.
 
-One process, real files in /dev/shm; the peer's "worker" is this process, or a child started for the test."""
+One process, real files in /dev/shm; the peer's "worker" is this process (a handover thread), or a child started
+for the test."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import msgspec
 import numpy as np
 import pytest
 
-from p2pworker.data import samehost
+from p2pworker.data import handover, samehost
 from p2pworker.data.base import coalesce
 from p2pworker.data.samehost import Copier, NotSameHost, Refusal, open_source
 from p2pworker.errors import TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo
 from p2pworker.shm import KVRegion
-from p2pworker.shm.liveness import start_time
 
 NB, BB = 64, 16384
 replace = msgspec.structs.replace
@@ -34,88 +39,331 @@ def regions(shm_prefix):
         yield peer, ours
 
 
-def info_of(region: KVRegion, **same_host) -> PeerDataInfo:
-    sh = samehost.local_info(region)
+@pytest.fixture
+def server(regions):
+    """The peer's handover socket, served by a thread of this process (so the kernel names this process)."""
+    srv = samehost.serve(regions[0])
+    yield srv
+    srv.close()
+
+
+def info_of(region: KVRegion, srv: handover.HandoverServer, **same_host) -> PeerDataInfo:
+    sh = samehost.local_info(region, srv)
     return PeerDataInfo("nixl", "peer", region.address, region.num_blocks, region.block_bytes,
                         same_host=replace(sh, **same_host) if same_host else sh)
 
 
-def refusal(info: PeerDataInfo, enabled: bool = True) -> Refusal:
+def refusal(info: PeerDataInfo, enabled: bool = True) -> NotSameHost:
     with pytest.raises(NotSameHost) as e:
         open_source(enabled, info).close()
-    return e.value.refusal
+    return e.value
 
 
-@pytest.fixture
-def child():
-    """A process that maps nothing of ours (a pid with a start time, but not the peer's worker)."""
-    p = subprocess.Popen(["sleep", "60"])
-    yield p
-    p.kill()
-    p.wait()
-
-
-MAPPER = """
-import mmap, sys, time
-files = [open(p, "rb") for p in sys.argv[1:]]
-maps = [mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) for f in files]
-print("mapped", flush=True)
+SERVER = """
+import sys, time
+from p2pworker.data.handover import HandoverServer
+n = len(sys.argv) // 2
+srv = HandoverServer(sys.argv[1:1 + n], [tuple(map(int, x.split(":"))) for x in sys.argv[1 + n:]])
+print(srv.name, srv.token.hex(), flush=True)
 time.sleep(60)
 """
 
 
 @pytest.fixture
-def mapper(regions):
-    """A stand-in for the peer's worker: another process that maps the peer region's files."""
+def child_server(regions):
+    """A stand-in for the peer's worker in another process: it hands over the peer region's files."""
     peer, _ = regions
-    p = subprocess.Popen([sys.executable, "-c", MAPPER, *(s.path for s in peer.handle.segments)],
-                         stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "mapped"
-    yield p
+    ids = [f"{d}:{i}" for d, i in peer.file_ids]
+    p = subprocess.Popen([sys.executable, "-c", SERVER, *(s.path for s in peer.handle.segments), *ids],
+                         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    name, token = p.stdout.readline().split()
+    yield p, name, bytes.fromhex(token)
     p.kill()
     p.wait()
 
 
-def test_every_check_that_fails_names_itself(regions, shm_prefix, child):
+def test_every_check_that_fails_names_itself(regions, server, shm_prefix):
     peer, _ = regions
-    info = info_of(peer)
-    assert refusal(info, enabled=False) is Refusal.OFF
-    assert refusal(replace(info, same_host=None)) is Refusal.NOT_OFFERED
-    assert refusal(info_of(peer, boot_id="another-kernel")) is Refusal.OTHER_BOOT
-    # a pid with another start time is another process (pid reuse), or one of another PID namespace
-    assert refusal(info_of(peer, pid_start_ticks=info.same_host.pid_start_ticks + 1)) is Refusal.NO_PROCESS
-    done = subprocess.Popen(["true"])
-    done.wait()
-    assert refusal(info_of(peer, pid=done.pid)) is Refusal.NO_PROCESS
-    # a PID namespace of its own (a container): its pid numbers mean other processes here
-    assert refusal(info_of(peer, pid_ns=(1, 2))) is Refusal.NO_PROCESS
+    info = info_of(peer, server)
+    assert refusal(info, enabled=False).refusal is Refusal.OFF
+    assert refusal(replace(info, same_host=None)).refusal is Refusal.NOT_OFFERED
+    assert refusal(info_of(peer, server, boot_id="another-kernel")).refusal is Refusal.OTHER_BOOT
     files = info.same_host.files
     # only files directly under /dev/shm, named plainly: never a path a peer picked elsewhere (a device, ../)
     for bad in ("/etc/passwd", "/dev/zero", f"/dev/shm/../shm/{shm_prefix}peer", "/dev/shm/", "/dev/shm/.."):
-        assert refusal(info_of(peer, files=(replace(files[0], path=bad),) + files[1:])) is Refusal.NOT_SHM, bad
-    # a live process that does not map the files it names: a peer naming a file it does not use (a third engine's
-    # region would be read with OUR permissions on its behalf)
-    assert refusal(info_of(peer, pid=child.pid, pid_start_ticks=start_time(child.pid))) \
-        is Refusal.NOT_MAPPED
-    gone = (replace(files[0], path=f"/dev/shm/{shm_prefix}nowhere"),) + files[1:]
-    assert refusal(info_of(peer, files=gone)) is Refusal.NO_FILE  # the peer maps that file, we cannot open it
-    # a file at the advertised path that is not the one the peer mapped: a same-named file in another /dev/shm
+        got = refusal(info_of(peer, server, files=(replace(files[0], path=bad),) + files[1:]))
+        assert got.refusal is Refusal.NOT_SHM, bad
+    # only a p2pworker handover socket's name is connected to (a peer must not point us at another local service),
+    # with a token of the right size
+    for bad in ("@/tmp/.X11-unix/X0", "p2pworker-ho-", "p2pworker-ho-0123456789abcdef0", "/run/dbus/socket"):
+        got = refusal(info_of(peer, server, socket=bad))
+        assert got.refusal is Refusal.NO_SOCKET and "not a p2pworker handover socket" in got.detail, bad
+    assert refusal(info_of(peer, server, token=b"short")).refusal is Refusal.NO_SOCKET
+    # no handover socket of that name in this network namespace; our token refused (nothing handed over)
+    assert refusal(info_of(peer, server, socket="p2pworker-ho-" + "0" * 16)).refusal is Refusal.NO_SOCKET
+    got = refusal(info_of(peer, server, token=bytes(handover.TOKEN_BYTES)))
+    assert got.refusal is Refusal.NO_SOCKET and "token refused" in got.detail, got
+    # files the peer names but did not hand over: a third engine's region (here the decoy's) is not its to offer;
+    # naming fewer files than it holds is refused too
     with KVRegion.create(shm_prefix + "decoy", NB // 2, BB) as decoy:
         decoy.array()[:] = 7
-        other = (replace(files[0], path=decoy.handle.segments[0].path),) + files[1:]
-        assert refusal(info_of(peer, files=other)) is Refusal.OTHER_FILE
+        (dev, ino), = decoy.file_ids
+        other = (replace(files[0], path=decoy.handle.segments[0].path, dev=dev, ino=ino),) + files[1:]
+        assert refusal(info_of(peer, server, files=other)).refusal is Refusal.NOT_HELD
+        assert refusal(info_of(peer, server, files=files[:1])).refusal is Refusal.NOT_HELD
+        # the handed-over file's identity at a path that opens another file here: a same-named file in another
+        # /dev/shm (a container's own)
+        moved = (replace(files[0], path=decoy.handle.segments[0].path),) + files[1:]
+        assert refusal(info_of(peer, server, files=moved)).refusal is Refusal.OTHER_FILE
+    gone = (replace(files[0], path=f"/dev/shm/{shm_prefix}nowhere"),) + files[1:]
+    assert refusal(info_of(peer, server, files=gone)).refusal is Refusal.NO_FILE  # handed over, not openable here
     big = (replace(files[0], nbytes=files[0].nbytes * 4),) + files[1:]  # more than the file holds
-    assert refusal(info_of(peer, files=big)) is Refusal.UNUSABLE
+    assert refusal(info_of(peer, server, files=big)).refusal is Refusal.UNUSABLE
     src = open_source(True, info)  # and every check passing: the path is taken
     try:
-        assert src.alive() and src.region.readonly
+        assert src.alive() and src.region.readonly and src.pid == os.getpid()
     finally:
         src.close()
 
 
-def test_the_peer_region_is_mapped_read_only(regions):
+@pytest.mark.parametrize("pidfd_from", ["kernel", "pid"])
+def test_the_process_watched_is_the_one_the_kernel_says_sent_the_files(regions, child_server, pidfd_from,
+                                                                        monkeypatch):
+    """No pid travels in the Hello: the sender's pid comes from SO_PEERCRED, and the pidfd names that process:
+    SO_PEERPIDFD where the kernel has it (6.5+), else pidfd_open of that pid while the sender waits for our ack."""
     peer, _ = regions
-    src = open_source(True, info_of(peer))
+    p, name, token = child_server
+    if pidfd_from == "pid":
+        monkeypatch.setattr(handover, "_peer_pidfd", lambda s: None)
+    else:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.connect("\0" + name)
+        fd = handover._peer_pidfd(probe)
+        probe.close()
+        if fd is None:
+            pytest.skip("this kernel has no SO_PEERPIDFD (< 6.5): the 'pid' case covers it")
+        os.close(fd)
+    info = PeerDataInfo("nixl", "peer", peer.address, NB, BB,
+                        same_host=samehost.SameHostInfo(samehost.boot_id(), name, token, _files(peer),
+                                                              net_ns=samehost.net_namespace()))
+    src = open_source(True, info)
+    try:
+        assert src.pid == p.pid and src.alive()
+    finally:
+        src.close()
+
+
+def _files(region: KVRegion):
+    from p2pworker.protocol.peer_info import RegionFile
+
+    return tuple(RegionFile(s.path, d, i, s.nbytes, s.file_offset)
+                 for s, (d, i) in zip(region.handle.segments, region.file_ids))
+
+
+def open_fds() -> set[int]:
+    listed = [int(x) for x in os.listdir("/proc/self/fd")]  # includes the listing's own, closed by now
+    return {fd for fd in listed if _valid(fd)}
+
+
+def _valid(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_a_sender_gone_before_our_ack_is_not_trusted(regions, shm_prefix, monkeypatch):
+    """Without SO_PEERPIDFD the sender must still be connected after we opened its pidfd by pid (it waits for our
+    ack): a pid whose process ended meanwhile may name another process by then.  Forced here: the pidfd is opened
+    only after the sender closed."""
+    peer, _ = regions
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    name = f"p2pw-test-{shm_prefix}"
+    lsock.bind("\0" + name)
+    lsock.listen(1)
+    closed = threading.Event()
+
+    def answer_then_leave():
+        conn, _ = lsock.accept()
+        conn.recv(64)
+        fds = [os.open(s.path, os.O_RDONLY) for s in peer.handle.segments]
+        socket.send_fds(conn, [b"F"], fds)
+        for fd in fds:
+            os.close(fd)
+        conn.close()  # without waiting for the ack
+        closed.set()
+
+    before = open_fds()
+    t = threading.Thread(target=answer_then_leave, daemon=True)
+    t.start()
+    monkeypatch.setattr(handover, "_peer_pidfd", lambda s: None)  # the older kernels' path
+    real = os.pidfd_open
+    monkeypatch.setattr(handover.os, "pidfd_open", lambda pid: (closed.wait(5), real(pid))[1])
+    try:
+        with pytest.raises(handover.HandoverRefused) as e:
+            handover.receive(name, bytes(handover.TOKEN_BYTES), len(peer.handle.segments))
+        assert e.value.failure is handover.Failure.NO_PROCESS and "before our ack" in str(e.value)
+        t.join(5)
+        assert open_fds() <= before, "a refused handover left descriptors open"
+    finally:
+        t.join(5)
+        lsock.close()
+
+
+def test_idle_connections_delay_no_handover(regions):
+    """The server holds every connection at once, each for at most its timeout: local processes that connect and
+    send nothing (20 here, held for 5 s) do not delay a consumer that asks meanwhile."""
+    peer, _ = regions
+    srv = handover.HandoverServer([s.path for s in peer.handle.segments], peer.file_ids, timeout_s=5.0)
+    idle = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(20)]
+    try:
+        for c in idle:
+            c.connect("\0" + srv.name)
+        time.sleep(0.05)  # let the server take them first
+        t0 = time.monotonic()
+        handed = handover.receive(srv.name, srv.token, 2, timeout_s=2.0)
+        waited = time.monotonic() - t0
+        try:
+            assert handed.pid == os.getpid() and len(handed.fds) == 2
+            assert [os.fstat(fd).st_ino for fd in handed.fds] == [i for _, i in peer.file_ids]
+            assert all(os.get_inheritable(fd) is False for fd in handed.fds), "received descriptors not CLOEXEC"
+        finally:
+            handed.close_fds()
+            os.close(handed.pidfd)
+        assert waited < 1.0, waited  # not queued behind the idle ones (5 s each)
+    finally:
+        for c in idle:
+            c.close()
+        srv.close()
+    srv.close()  # idempotent
+    with pytest.raises(handover.HandoverRefused):  # closed: nobody answers
+        handover.receive(srv.name, srv.token, 2, timeout_s=0.5)
+
+
+def test_more_files_than_one_message_carries_go_over_several(shm_prefix):
+    """The kernel takes at most 253 descriptors a message: a region of 300 segment files is handed over in two."""
+    with KVRegion.create(shm_prefix + "many", 300, 4096, segment_bytes=4096) as region:
+        assert len(region.handle.segments) == 300 > handover.FDS_PER_MESSAGE
+        srv = samehost.serve(region)
+        try:
+            handed = handover.receive(srv.name, srv.token, 300)
+            try:
+                assert [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in handed.fds] == list(region.file_ids)
+            finally:
+                handed.close_fds()
+                os.close(handed.pidfd)
+        finally:
+            srv.close()
+
+
+class FakeServer:
+    """A hostile handover server: answers one connection with the descriptors ``fds_of()`` returns, in messages
+    of ``per_message``, ``pause_s`` apart, then closes."""
+
+    def __init__(self, fds_of, per_message: int = 200, pause_s: float = 0.0):
+        self.name = handover.NAME_PREFIX + os.urandom(8).hex()
+        self.lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.lsock.bind("\0" + self.name)
+        self.lsock.listen(1)
+        self.fds_of, self.per_message, self.pause_s = fds_of, per_message, pause_s
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        conn, _ = self.lsock.accept()
+        with conn:
+            conn.recv(64)
+            fds = self.fds_of()
+            try:
+                for i in range(0, len(fds), self.per_message):
+                    socket.send_fds(conn, [b"F"], fds[i:i + self.per_message])
+                    time.sleep(self.pause_s)
+            except OSError:
+                pass  # the consumer gave up
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def close(self):
+        self.thread.join(10)
+        self.lsock.close()
+
+
+@pytest.mark.parametrize("flags", [os.O_PATH, os.O_WRONLY], ids=["O_PATH", "O_WRONLY"])
+def test_descriptors_not_open_for_reading_are_refused(regions, server, flags):
+    """A peer that cannot read a file can still get an O_PATH descriptor of it (search permission on /dev/shm
+    suffices) or a write-only one: handed over, they must not make us read that file for it."""
+    peer, _ = regions
+    fake = FakeServer(lambda: [os.open(s.path, flags) for s in peer.handle.segments])
+    try:
+        got = refusal(info_of(peer, server, socket=fake.name))
+        assert got.refusal is Refusal.NOT_HELD, got
+    finally:
+        fake.close()
+
+
+def test_a_peer_trickling_descriptors_cannot_hold_us_past_the_deadline(regions, shm_prefix, monkeypatch):
+    """The whole handover has one deadline, however the peer paces its messages (one descriptor every 0.3 s for
+    10 named files here): refused about TIMEOUT_S after it began, all received descriptors closed."""
+    peer, _ = regions
+    with KVRegion.create(shm_prefix + "ten", 10, 4096, segment_bytes=4096) as ten:
+        fake = FakeServer(lambda: [os.open(s.path, os.O_RDONLY) for s in ten.handle.segments],
+                          per_message=1, pause_s=0.3)
+        srv = samehost.serve(ten)
+        try:
+            before = open_fds()
+            t0 = time.monotonic()
+            got = refusal(info_of(ten, srv, socket=fake.name))
+            took = time.monotonic() - t0
+            assert got.refusal is Refusal.NO_SOCKET and "TimeoutError" in got.detail, got
+            assert took < handover.TIMEOUT_S + 0.5, took
+            fake.close()  # its sends end once we are gone; its own descriptors closed
+            assert open_fds() <= before, "a refused handover left descriptors open"
+        finally:
+            fake.close()
+            srv.close()
+
+
+def test_prechecks_refuse_without_talking_to_the_peer(regions, server):
+    peer, _ = regions
+    info = info_of(peer, server)
+    files = info.same_host.files
+    many = files * (handover.MAX_FILES // len(files) + 1)
+    got = refusal(info_of(peer, server, files=many))
+    assert got.refusal is Refusal.UNUSABLE and "region files" in got.detail, got
+    # a socket name is only ours in the network namespace it was bound in
+    got = refusal(info_of(peer, server, net_ns=(1, 2)))
+    assert got.refusal is Refusal.NO_SOCKET and "another network namespace" in got.detail, got
+
+
+def test_mode_a_refuses_a_sender_that_exited_before_our_ack(regions, child_server, monkeypatch):
+    """Mode A (no SO_PEERPIDFD, kernels < 6.5) against a real process: the sender hands over its files and dies
+    before we opened its pidfd by pid (forced: killed, left a zombie so the pid still opens); the closed
+    connection shows it, and nothing is trusted."""
+    peer, _ = regions
+    p, name, token = child_server
+    monkeypatch.setattr(handover, "_peer_pidfd", lambda s: None)
+    real = os.pidfd_open
+
+    def after_its_death(pid):
+        p.kill()
+        for _ in range(500):  # until it is a zombie (not reaped: the pid still names it)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        return real(pid)
+
+    monkeypatch.setattr(handover.os, "pidfd_open", after_its_death)
+    with pytest.raises(handover.HandoverRefused) as e:
+        handover.receive(name, token, len(peer.handle.segments))
+    assert e.value.failure is handover.Failure.NO_PROCESS and "before our ack" in str(e.value), e.value
+
+
+def test_the_peer_region_is_mapped_read_only(regions, server):
+    peer, _ = regions
+    src = open_source(True, info_of(peer, server))
     try:
         view = src.region.array()
         assert (view == peer.array()).all()
@@ -128,11 +376,11 @@ def test_the_peer_region_is_mapped_read_only(regions):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_copies_are_byte_exact_and_touch_only_the_granted_rows(regions, threads):
+def test_copies_are_byte_exact_and_touch_only_the_granted_rows(regions, server, threads):
     peer, ours = regions
     rng = np.random.default_rng(threads)
     local, remote = rng.permutation(NB)[:40], rng.permutation(NB)[:40]
-    src = open_source(True, info_of(peer))
+    src = open_source(True, info_of(peer, server))
     copier = Copier(ours, threads=threads, split_bytes=0)  # split whatever the size: the threads run
     try:
         copier.copy(src, coalesce(local, remote))
@@ -145,9 +393,12 @@ def test_copies_are_byte_exact_and_touch_only_the_granted_rows(regions, threads)
         src.close()
 
 
-def test_a_copy_after_the_peer_worker_exited_fails(regions, mapper):
+def test_a_copy_after_the_peer_worker_exited_fails(regions, child_server):
     peer, ours = regions
-    info = info_of(peer, pid=mapper.pid, pid_start_ticks=start_time(mapper.pid))
+    mapper, name, token = child_server
+    info = PeerDataInfo("nixl", "peer", peer.address, NB, BB,
+                        same_host=samehost.SameHostInfo(samehost.boot_id(), name, token, _files(peer),
+                                                              net_ns=samehost.net_namespace()))
     src = open_source(True, info)
     copier = Copier(ours)
     try:
@@ -162,11 +413,11 @@ def test_a_copy_after_the_peer_worker_exited_fails(regions, mapper):
         src.close()
 
 
-def test_a_peer_file_that_shrank_is_refused_before_it_is_touched(regions):
+def test_a_peer_file_that_shrank_is_refused_before_it_is_touched(regions, server):
     """Touching a page past the end of a shrunk file would be a SIGBUS (the worker dead); the size is checked
     through the descriptors we mapped before every piece."""
     peer, ours = regions
-    src = open_source(True, info_of(peer))
+    src = open_source(True, info_of(peer, server))
     copier = Copier(ours)
     try:
         copier.copy(src, coalesce(np.arange(4), np.arange(40, 44)))
@@ -197,7 +448,7 @@ def test_a_peer_named_fifo_or_directory_is_refused_without_blocking(shm_prefix, 
         os.unlink(link)
 
 
-def test_a_transport_offers_its_file_only_when_on(regions):
+def test_a_transport_offers_its_file_only_when_on_and_stops_handing_it_over_when_closed(regions):
     from p2pworker.data import make_data_transport
 
     peer, _ = regions
@@ -207,26 +458,17 @@ def test_a_transport_offers_its_file_only_when_on(regions):
             sh = tr.local_info().same_host
             assert (sh is not None) is on
             if on:
-                assert sh.pid == os.getpid() and sh.boot_id == samehost.boot_id()
+                assert sh.boot_id == samehost.boot_id() and len(sh.token) == handover.TOKEN_BYTES
                 assert [(f.path, f.dev, f.ino) for f in sh.files] == [
                     (s.path, os.stat(s.path).st_dev, os.stat(s.path).st_ino) for s in peer.handle.segments]
+                assert tr.local_info().same_host == sh  # one handover socket per transport
+                handed = handover.receive(sh.socket, sh.token, len(sh.files))
+                handed.close_fds()
+                os.close(handed.pidfd)
         finally:
             assert tr.close()
-
-
-def test_odd_bytes_in_the_named_process_map_are_a_refusal_not_a_crash(shm_prefix, regions):
-    """/proc/<pid>/maps shows mapped paths raw (any byte but a newline): a process the peer names that maps a
-    file named with non-UTF-8 bytes must give a refusal (the link uses NIXL), not an exception out of add_peer."""
-    peer, _ = regions
-    odd = os.fsencode(f"/dev/shm/{shm_prefix}odd") + b"\xff\xfe name"
-    with open(odd, "wb") as f:
-        f.truncate(4096)
-    p = subprocess.Popen([sys.executable, "-c", MAPPER, os.fsdecode(odd)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "mapped"
-        got = refusal(info_of(peer, pid=p.pid, pid_start_ticks=start_time(p.pid)))
-        assert got is Refusal.NOT_MAPPED  # it maps the odd file, not the peer's region
-    finally:
-        p.kill()
-        p.wait()
-        os.unlink(odd)
+        if on:
+            threads = [t.name for t in threading.enumerate()]
+            assert "p2pw-handover" not in threads, threads
+            with pytest.raises(handover.HandoverRefused):
+                handover.receive(sh.socket, sh.token, len(sh.files), timeout_s=0.5)

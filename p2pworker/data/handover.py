@@ -1,0 +1,364 @@
+"""Handing our region's files to a same-host peer: the file descriptors themselves, over an abstract AF_UNIX
+socket, to whoever presents our token (told only to authenticated peers, in the Hello's PeerDataInfo).
+
+Why descriptors and not names: a path and a pid in the Hello are the peer's word.  A peer holding the shared
+secret could name ANOTHER local process and a file that process maps, and the consumer would read that file with
+its own permissions into rows the peer then fetches.  A descriptor is proof instead: a peer can hand over only
+files it holds open for reading itself, and the kernel, not the peer, says which process holds the socket they
+came over (the one that called ``listen()``: ``SO_PEERCRED``, translated into our PID namespace, 0 when that
+process is not visible here; ``SO_PEERPIDFD``).  The producer names the socket and its network namespace in its
+Hello, so in the consumer's namespace that name is the producer's own (an abstract name is bound once per
+namespace).  Left open: a token holder could bind the name in the short window after the producer's worker closed
+its handover socket at shutdown (a per-session token and a proof from the server would close it).
+
+Wire: ``SOCK_SEQPACKET``, one connection per handover, answered one at a time by the producer's handover thread::
+
+    consumer's loop (bounded: TIMEOUT_S)           producer's handover thread
+    connect("\\0" + name)                 ─────►   accept
+    SO_PEERPIDFD: a pidfd of the listener's
+      process (Linux 6.5+), mode P; older: mode A
+    MAGIC + mode + token                   ─────►   compare in constant time; wrong: close, nothing sent
+                                           ◄─────   b"F" + SCM_RIGHTS, <= FDS_PER_MESSAGE descriptors a message,
+                                                    as many messages as the region has segment files
+    SO_PEERCRED: the sender's pid here             mode P: close
+    mode P: the pidfd must not show an exit;       mode A: wait for the ack or the close (<= timeout_s)
+    mode A: pidfd_open(pid), then the
+      connection must still be open (the
+      sender waits): it lived while the pidfd
+      was opened, so the pid was not reused;
+      then the ack                         ─────►   close
+
+The thread is the worker's only long-lived thread besides the copy pool: it reads no session state; it opens our
+own region's files read-only (by path, checked to be the very files we map), hands them over and closes them.  It
+serves all connections at once, each for at most ``timeout_s``: a local process without the token gets nothing,
+and one that connects and stalls delays nobody.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import logging
+import math
+import os
+import platform
+import re
+import secrets
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from p2pworker.errors import RegionIdentityError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"p2pwHO1\0"
+MODE_PIDFD = b"P"  # the consumer holds a pidfd from SO_PEERPIDFD: hand over and close
+MODE_ACK = b"A"  # the consumer opens our pidfd by pid: stay connected until its ack (or close)
+ACK = b"A"
+TOKEN_BYTES = 32
+HELLO_BYTES = len(MAGIC) + 1 + TOKEN_BYTES
+NAME_PREFIX = "p2pworker-ho-"
+NAME_RE = re.compile(re.escape(NAME_PREFIX) + "[0-9a-f]{16}")  # what a peer may name (HandoverServer.name)
+# The kernel takes at most SCM_MAX_FD (253) descriptors in one message; a region may have more segment files.
+FDS_PER_MESSAGE = 200
+# Bounds the consumer's add_peer (it runs on the worker's loop) and each step of the producer's answer.  A
+# handover on one host takes well under a millisecond; a producer that does not answer in this long is treated
+# as not on this host (the link uses the backend).
+TIMEOUT_S = 1.0
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+# <asm-generic/socket.h>; Python 3.11 does not name it.  Other architectures number socket options otherwise:
+# there we ask only when Python names it (else the mode A path).
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77 if platform.machine() in ("x86_64", "aarch64") else None)
+MAX_CONNS = 256  # connections a handover thread holds at once (each for at most timeout_s)
+# A region of more segment files than this is not offered (each is a descriptor on both sides during a handover,
+# and the consumer keeps one per file); vLLM's CPU tier uses one file, or >= 1 GiB segments.
+MAX_FILES = 1024
+
+
+class Failure(enum.Enum):
+    NO_ANSWER = "no answer on its local socket"  # another network namespace, token refused, timed out
+    NO_PROCESS = "not visible here"  # the sender's pid is 0 here (another PID namespace) or it exited
+
+
+class HandoverRefused(Exception):
+    def __init__(self, failure: Failure, detail: str) -> None:
+        super().__init__(f"{failure.value}: {detail}")
+        self.failure = failure
+        self.detail = detail
+
+
+@dataclass
+class Handed:
+    """What a handover gave the consumer: the sender's pid as the kernel names it here, a pidfd of that process
+    (the caller owns it), and the descriptors it sent (the caller closes them)."""
+
+    pid: int
+    pidfd: int
+    fds: list[int] = field(default_factory=list)
+
+    def close_fds(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def _open_checked(paths: Sequence[str], ids: Sequence[tuple[int, int]]) -> list[int]:
+    """Our region's files, read-only, each checked to be the file we map (a path may name another by now)."""
+    fds: list[int] = []
+    try:
+        for path, want in zip(paths, ids, strict=True):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+            fds.append(fd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != tuple(want):
+                raise RegionIdentityError(f"{path} is no longer the file this worker maps")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+class _Stage(enum.Enum):
+    HELLO = "waiting for the hello"
+    ACK = "waiting for the ack (mode A)"
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    deadline: float
+    stage: _Stage = _Stage.HELLO
+
+
+class HandoverServer:
+    """Hands read-only descriptors of ``paths`` (whose identities must stay ``ids``) to any connection that
+    presents :attr:`token`.  Runs one daemon thread from construction to :meth:`close` (idempotent).
+
+    The thread serves every connection at once (non-blocking, one poll), each for at most ``timeout_s``: a local
+    process that opens connections and sends nothing delays nobody, and at most MAX_CONNS are held (more are
+    closed at once)."""
+
+    def __init__(self, paths: Sequence[str], ids: Sequence[tuple[int, int]], *, timeout_s: float = TIMEOUT_S):
+        self.paths = tuple(paths)
+        self.ids = tuple(tuple(i) for i in ids)
+        for fd in _open_checked(self.paths, self.ids):  # fail now, in the caller, if the files are not ours
+            os.close(fd)
+        self.timeout_s = timeout_s
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.name = NAME_PREFIX + secrets.token_hex(8)  # abstract: nothing in any filesystem to leak
+        self._closed = False
+        self._conns: dict[int, _Conn] = {}
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._stop_r = self._stop_w = -1
+        try:
+            self._sock.bind("\0" + self.name)
+            self._sock.listen(socket.SOMAXCONN)  # a burst of consumers connecting at once is not refused
+            self._sock.setblocking(False)
+            self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+            self._thread = threading.Thread(target=self._serve, name="p2pw-handover", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self._release()
+            raise
+
+    def _serve(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        try:
+            while True:
+                now = time.monotonic()
+                for fd, c in list(self._conns.items()):
+                    if c.deadline <= now:
+                        self._drop(poller, fd)
+                wait_ms = None
+                if self._conns:  # wake for the nearest deadline; idle, block: an idle worker pays nothing here
+                    wait_ms = max(1, math.ceil((min(c.deadline for c in self._conns.values()) - now) * 1000))
+                for fd, _ in poller.poll(wait_ms):
+                    if fd == self._stop_r:
+                        return
+                    if fd == self._sock.fileno():
+                        self._accept(poller)
+                    elif fd in self._conns:
+                        try:
+                            done = self._step(self._conns[fd])
+                        except Exception as e:  # a peer's bad connection never ends the thread
+                            log.debug("same-host handover: a connection ended without one: %s", e)
+                            done = True
+                        if done:
+                            self._drop(poller, fd)
+        finally:
+            for fd in list(self._conns):
+                self._drop(poller, fd)
+
+    def _accept(self, poller: select.poll) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and the like: the waiting consumer times out and uses the backend
+                log.warning("same-host handover: accept failed: %s", e)
+                return
+            if len(self._conns) >= MAX_CONNS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._conns[conn.fileno()] = _Conn(conn, time.monotonic() + self.timeout_s)
+            poller.register(conn.fileno(), select.POLLIN)
+
+    def _drop(self, poller: select.poll, fd: int) -> None:
+        c = self._conns.pop(fd)
+        poller.unregister(fd)
+        c.sock.close()
+
+    def _step(self, c: _Conn) -> bool:
+        """One readable connection; True when it is finished (to be closed)."""
+        if c.stage is _Stage.ACK:
+            return True  # the ack, or the consumer's close: either way it is done with us
+        hello = c.sock.recv(HELLO_BYTES + 1)  # sent right after connect, in one datagram
+        mode, token = hello[len(MAGIC):len(MAGIC) + 1], hello[len(MAGIC) + 1:]
+        if len(hello) != HELLO_BYTES or not hello.startswith(MAGIC) or mode not in (MODE_PIDFD, MODE_ACK) \
+                or not hmac.compare_digest(token, self.token):
+            return True  # closed with nothing sent
+        fds = _open_checked(self.paths, self.ids)
+        try:
+            for i in range(0, len(fds), FDS_PER_MESSAGE):
+                # a fresh connection's buffer takes these few small datagrams; if not, the send raises and the
+                # consumer sees the close (a refusal: it uses the backend)
+                socket.send_fds(c.sock, [b"F"], fds[i:i + FDS_PER_MESSAGE])
+        finally:
+            for fd in fds:
+                os.close(fd)  # the consumer holds its own copies now
+        if mode == MODE_ACK:
+            # Until the ack we stay connected: the consumer checks that we still are after it opened our pidfd by
+            # pid.  A consumer with SO_PEERPIDFD needs no such wait.
+            c.stage = _Stage.ACK
+            return False
+        return True
+
+    def _release(self) -> None:
+        self._sock.close()
+        for fd in (self._stop_r, self._stop_w):
+            if fd >= 0:
+                os.close(fd)
+        self._stop_r = self._stop_w = -1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.write(self._stop_w, b"x")
+        self._thread.join(timeout=5.0)  # it never blocks but in poll: it ends at once
+        if self._thread.is_alive():  # never seen; leave its descriptors to it rather than close them under it
+            log.warning("same-host handover thread did not end; its socket stays open until the process exits")
+            return
+        self._release()
+
+
+_FD = struct.Struct("i")
+
+
+def _recv_fds(s: socket.socket) -> tuple[bytes, list[int], int]:
+    """One datagram and the descriptors it carries, received close-on-exec (socket.recv_fds would leave them
+    inheritable by any process we start)."""
+    msg, ancdata, flags, _ = s.recvmsg(16, socket.CMSG_SPACE(FDS_PER_MESSAGE * _FD.size), socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % _FD.size
+            fds.extend(x for (x,) in _FD.iter_unpack(data[:usable]))
+    return msg, fds, flags
+
+
+def _peer_pidfd(s: socket.socket) -> int | None:
+    """A pidfd of the process at the other end (SO_PEERPIDFD, Linux 6.5+), None where the kernel has none."""
+    if SO_PEERPIDFD is None:
+        return None
+    try:
+        return s.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        return None
+
+
+def receive(name: str, token: bytes, n_files: int, timeout_s: float = TIMEOUT_S) -> Handed:
+    """Ask the handover socket ``name`` for its descriptors.  Returns at most about ``timeout_s`` later, with
+    the descriptors, the sender's pid as the kernel names it here and a pidfd of it, or raises
+    :class:`HandoverRefused`.  Nothing received is left open when it raises."""
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:  # a hard deadline for the whole handover, however the peer paces its messages
+        rest = deadline - time.monotonic()
+        if rest <= 0:
+            raise TimeoutError(f"no handover within {timeout_s} s")
+        return rest
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    handed = Handed(pid=0, pidfd=-1)
+    try:
+        try:
+            s.settimeout(left())
+            s.connect("\0" + name)  # an abstract name: exists only in this network namespace
+            pidfd = _peer_pidfd(s)  # the listener's process, as the kernel recorded it at connect
+            if pidfd is not None:
+                handed.pidfd = pidfd
+            s.settimeout(left())
+            s.sendall(MAGIC + (MODE_PIDFD if pidfd is not None else MODE_ACK) + token)
+            while len(handed.fds) < n_files:
+                s.settimeout(left())
+                msg, fds, flags = _recv_fds(s)
+                handed.fds.extend(fds)  # first, so that they are closed whatever follows
+                if not msg:
+                    raise HandoverRefused(Failure.NO_ANSWER, f"{name} closed without handing over files "
+                                                             f"(our token refused, or it exited)")
+                if msg != b"F" or flags & socket.MSG_CTRUNC or not fds:
+                    raise HandoverRefused(Failure.NO_ANSWER, f"{name} answered out of protocol")
+        except (OSError, ValueError) as e:  # refused, no such name here, timed out, reset
+            raise HandoverRefused(Failure.NO_ANSWER, f"{name}: {type(e).__name__}: {e}") from e
+        pid, _, _ = _UCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if pid <= 0:
+            raise HandoverRefused(Failure.NO_PROCESS, "its worker runs in a PID namespace not visible here")
+        handed.pid = pid
+        if handed.pidfd >= 0:
+            # The kernel's own handle on the process that holds the socket: nothing to rule out, only whether it
+            # already exited (then its vLLM may reuse the rows: no copy from it).
+            p = select.poll()
+            p.register(handed.pidfd, select.POLLIN)
+            if p.poll(0):
+                raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} exited during the handover")
+            return handed
+        # Older kernels: open the pidfd by pid, then make sure the sender is still connected (it waits for our
+        # ack in this mode): it lived while the pidfd was opened, so that pid was not reused and the pidfd names it.
+        try:
+            handed.pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            raise HandoverRefused(Failure.NO_PROCESS, f"pidfd_open({pid}): {e}") from e
+        s.setblocking(False)  # with a timeout set, Python would wait for data even under MSG_DONTWAIT
+        try:
+            extra = s.recv(1)
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} during the handover: {e}") from e
+        else:
+            why = "closed the handover before our ack (it may have exited)" if not extra else "sent more"
+            raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} {why}")
+        try:
+            s.send(ACK)  # a one-byte datagram into an idle socket's buffer: never blocks
+        except OSError:
+            pass  # what we hold is already checked; the sender only stops waiting
+        return handed
+    except BaseException:
+        handed.close_fds()
+        if handed.pidfd >= 0:
+            os.close(handed.pidfd)
+        raise
+    finally:
+        s.close()
