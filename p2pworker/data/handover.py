@@ -31,7 +31,8 @@ Wire: ``SOCK_SEQPACKET``, one connection per handover, answered one at a time by
 The thread is the worker's only long-lived thread besides the copy pool: it reads no session state; it opens our
 own region's files read-only (by path, checked to be the very files we map), hands them over and closes them.  It
 serves all connections at once, each for at most ``timeout_s``: a local process without the token gets nothing,
-and one that connects and stalls delays nobody.
+and one that connects and stalls delays nobody (one that floods connections can crowd consumers out: they then
+use the backend; see HandoverServer).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 # there we ask only when Python names it (else the mode A path).
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77 if platform.machine() in ("x86_64", "aarch64") else None)
 MAX_CONNS = 256  # connections a handover thread holds at once (each for at most timeout_s)
+ACCEPTS_PER_WAKE = 64
+ACCEPT_PAUSE_S = 0.1
 # A region of more segment files than this is not offered (each is a descriptor on both sides during a handover,
 # and the consumer keeps one per file); vLLM's CPU tier uses one file, or >= 1 GiB segments.
 MAX_FILES = 1024
@@ -142,8 +145,10 @@ class HandoverServer:
     presents :attr:`token`.  Runs one daemon thread from construction to :meth:`close` (idempotent).
 
     The thread serves every connection at once (non-blocking, one poll), each for at most ``timeout_s``: a local
-    process that opens connections and sends nothing delays nobody, and at most MAX_CONNS are held (more are
-    closed at once)."""
+    process that opens connections and sends nothing delays nobody.  At most MAX_CONNS are held; a new one then
+    evicts the oldest still waiting for its hello.  A local process (any uid: the abstract name is listed in
+    /proc/net/unix) that keeps opening connections faster than consumers send their hello can still have them
+    dropped: they use the backend (a refusal, never a failure)."""
 
     def __init__(self, paths: Sequence[str], ids: Sequence[tuple[int, int]], *, timeout_s: float = TIMEOUT_S):
         self.paths = tuple(paths)
@@ -155,6 +160,7 @@ class HandoverServer:
         self.name = NAME_PREFIX + secrets.token_hex(8)  # abstract: nothing in any filesystem to leak
         self._closed = False
         self._conns: dict[int, _Conn] = {}
+        self._listen_again_at: float | None = None  # accept failed (EMFILE ...): the listener is not polled until
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._stop_r = self._stop_w = -1
         try:
@@ -172,23 +178,32 @@ class HandoverServer:
         poller = select.poll()
         poller.register(self._sock.fileno(), select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
+        listener = self._sock.fileno()
         try:
             while True:
                 now = time.monotonic()
                 for fd, c in list(self._conns.items()):
                     if c.deadline <= now:
                         self._drop(poller, fd)
-                wait_ms = None
-                if self._conns:  # wake for the nearest deadline; idle, block: an idle worker pays nothing here
-                    wait_ms = max(1, math.ceil((min(c.deadline for c in self._conns.values()) - now) * 1000))
+                if self._listen_again_at is not None and now >= self._listen_again_at:
+                    poller.modify(listener, select.POLLIN)
+                    self._listen_again_at = None
+                wakes = [c.deadline for c in self._conns.values()]
+                if self._listen_again_at is not None:
+                    wakes.append(self._listen_again_at)
+                # wake for the nearest deadline; idle, block: an idle worker pays nothing here
+                wait_ms = max(1, math.ceil((min(wakes) - now) * 1000)) if wakes else None
                 for fd, _ in poller.poll(wait_ms):
                     if fd == self._stop_r:
                         return
-                    if fd == self._sock.fileno():
+                    if fd == listener:
                         self._accept(poller)
                     elif fd in self._conns:
                         try:
                             done = self._step(self._conns[fd])
+                        except RegionIdentityError as e:  # ours, not the peer's: every consumer would be refused
+                            log.warning("same-host handover refused: %s", e)
+                            done = True
                         except Exception as e:  # a peer's bad connection never ends the thread
                             log.debug("same-host handover: a connection ended without one: %s", e)
                             done = True
@@ -199,17 +214,27 @@ class HandoverServer:
                 self._drop(poller, fd)
 
     def _accept(self, poller: select.poll) -> None:
-        while True:
+        for _ in range(ACCEPTS_PER_WAKE):  # a flood of connects must not keep us from deadlines and the stop pipe
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # EMFILE and the like: the waiting consumer times out and uses the backend
-                log.warning("same-host handover: accept failed: %s", e)
+            except OSError as e:
+                # EMFILE and the like: the connection stays queued, so the listener would poll readable at once,
+                # forever: stop listening for a while (the waiting consumer may time out and use the backend)
+                if self._listen_again_at is None:
+                    log.warning("same-host handover: accept failed (%s); pausing %.1f s", e, ACCEPT_PAUSE_S)
+                poller.modify(self._sock.fileno(), 0)
+                self._listen_again_at = time.monotonic() + ACCEPT_PAUSE_S
                 return
             if len(self._conns) >= MAX_CONNS:
-                conn.close()
-                continue
+                # Full: drop the oldest still waiting for its hello (a real consumer sends it right after connect,
+                # so a held-open idle connection goes first), not the newest.
+                waiting = [(c.deadline, fd) for fd, c in self._conns.items() if c.stage is _Stage.HELLO]
+                if not waiting:
+                    conn.close()
+                    continue
+                self._drop(poller, min(waiting)[1])
             conn.setblocking(False)
             self._conns[conn.fileno()] = _Conn(conn, time.monotonic() + self.timeout_s)
             poller.register(conn.fileno(), select.POLLIN)
@@ -309,8 +334,9 @@ def receive(name: str, token: bytes, n_files: int, timeout_s: float = TIMEOUT_S)
             pidfd = _peer_pidfd(s)  # the listener's process, as the kernel recorded it at connect
             if pidfd is not None:
                 handed.pidfd = pidfd
+            mode_ack = pidfd is None
             s.settimeout(left())
-            s.sendall(MAGIC + (MODE_PIDFD if pidfd is not None else MODE_ACK) + token)
+            s.sendall(MAGIC + (MODE_ACK if mode_ack else MODE_PIDFD) + token)
             while len(handed.fds) < n_files:
                 s.settimeout(left())
                 msg, fds, flags = _recv_fds(s)
@@ -326,34 +352,35 @@ def receive(name: str, token: bytes, n_files: int, timeout_s: float = TIMEOUT_S)
         if pid <= 0:
             raise HandoverRefused(Failure.NO_PROCESS, "its worker runs in a PID namespace not visible here")
         handed.pid = pid
-        if handed.pidfd >= 0:
-            # The kernel's own handle on the process that holds the socket: nothing to rule out, only whether it
-            # already exited (then its vLLM may reuse the rows: no copy from it).
-            p = select.poll()
-            p.register(handed.pidfd, select.POLLIN)
-            if p.poll(0):
-                raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} exited during the handover")
-            return handed
-        # Older kernels: open the pidfd by pid, then make sure the sender is still connected (it waits for our
-        # ack in this mode): it lived while the pidfd was opened, so that pid was not reused and the pidfd names it.
-        try:
-            handed.pidfd = os.pidfd_open(pid)
-        except OSError as e:
-            raise HandoverRefused(Failure.NO_PROCESS, f"pidfd_open({pid}): {e}") from e
-        s.setblocking(False)  # with a timeout set, Python would wait for data even under MSG_DONTWAIT
-        try:
-            extra = s.recv(1)
-        except BlockingIOError:
-            pass
-        except OSError as e:
-            raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} during the handover: {e}") from e
-        else:
-            why = "closed the handover before our ack (it may have exited)" if not extra else "sent more"
-            raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} {why}")
-        try:
-            s.send(ACK)  # a one-byte datagram into an idle socket's buffer: never blocks
-        except OSError:
-            pass  # what we hold is already checked; the sender only stops waiting
+        if handed.pidfd < 0:
+            # Older kernels: open the pidfd by pid, then make sure the sender is still connected (it waits for our
+            # ack in this mode): its socket open means its thread group is not gone, so the pid was not reaped and
+            # reused, and the pidfd names it (a process still exiting: its pidfd shows the exit soon, and every copy
+            # checks that after it ran).
+            try:
+                handed.pidfd = os.pidfd_open(pid)
+            except OSError as e:
+                raise HandoverRefused(Failure.NO_PROCESS, f"pidfd_open({pid}): {e}") from e
+            s.setblocking(False)  # with a timeout set, Python would wait for data even under MSG_DONTWAIT
+            try:
+                extra = s.recv(1)
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} during the handover: {e}") from e
+            else:
+                why = "closed the handover before our ack (it may have exited)" if not extra else "sent more"
+                raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} {why}")
+        # Whichever way the pidfd came: a process that already exited (then its vLLM may reuse the rows) is refused.
+        p = select.poll()
+        p.register(handed.pidfd, select.POLLIN)
+        if p.poll(0):
+            raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} exited during the handover")
+        if mode_ack:
+            try:
+                s.send(ACK)  # a one-byte datagram into an idle socket's buffer: never blocks
+            except OSError:
+                pass  # what we hold is already checked; the sender only stops waiting
         return handed
     except BaseException:
         handed.close_fds()

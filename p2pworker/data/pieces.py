@@ -96,8 +96,9 @@ class Transfer:
 
 def _same_incarnation(a: PeerDataInfo, b: PeerDataInfo) -> bool:
     """Two infos naming one agent describe the same process start (and so one loaded remote)."""
-    return (a.metadata, a.endpoint, a.token, a.base_address, a.num_blocks) == (
-        b.metadata, b.endpoint, b.token, b.base_address, b.num_blocks
+    # same_host too: a peer naming another's agent with its own files must not have them used for the other
+    return (a.metadata, a.endpoint, a.token, a.base_address, a.num_blocks, a.same_host) == (
+        b.metadata, b.endpoint, b.token, b.base_address, b.num_blocks, b.same_host
     )
 
 
@@ -166,6 +167,8 @@ class PieceTransport(DataTransport):
         if peer_key in self._peers:
             self.remove_peer(peer_key)  # a new incarnation of the link: retire the old registration first
         remote = self._remotes.get(info.agent_name)
+        if remote is not None and remote.path is RemotePath.UNUSABLE:
+            remote = None  # nothing was loaded or posted through it: a new link starts afresh (the old keys keep it)
         if remote is None:
             remote = Remote(info.agent_name, info)
             early = samehost.precheck(self.same_host, info)  # no I/O: the flags, the boot id, the paths
@@ -173,7 +176,7 @@ class PieceTransport(DataTransport):
                 remote.refusal = str(early)
                 remote.state = self._remote_add(remote.name, info)  # raises TransferFailed: nothing recorded then
             elif now:
-                self._resolve(remote)  # raises TransferFailed: nothing recorded then
+                self._resolve(remote, at_read=False)  # raises TransferFailed: nothing recorded then
             else:
                 remote.path = RemotePath.UNDECIDED
             self._remotes[remote.name] = remote
@@ -187,15 +190,16 @@ class PieceTransport(DataTransport):
                 f"settle first, or give each process start a unique agent name"
             )
         elif now and remote.path is RemotePath.UNDECIDED:
-            self._resolve(remote)  # a link we dialed to an agent first met on one it dialed
+            self._resolve(remote, at_read=False)  # a link we dialed to an agent first met on one it dialed
         peer = Peer(peer_key, remote, info.base_address, info.num_blocks)
         remote.refs.add(peer)
         self._peers[peer_key] = peer
 
-    def _resolve(self, remote: Remote) -> None:
+    def _resolve(self, remote: Remote, *, at_read: bool) -> None:
         """Choose a same-host candidate's path: the handover and the checks (a local round trip to the peer's
         handover thread, bounded by handover.TIMEOUT_S), else the backend.  Raises TransferFailed when the backend
-        refuses the remote; a remote first met on a link it dialed is then UNUSABLE (no second try per read)."""
+        refuses the remote: from add_peer the link is refused and the remote stays as it was; at a read the remote
+        becomes UNUSABLE (PeerUnusable: no second try per read; a later link to that agent starts afresh)."""
         try:
             remote.source = samehost.open_source(self.same_host, remote.info)
             remote.path = RemotePath.SAME_HOST
@@ -205,7 +209,7 @@ class PieceTransport(DataTransport):
         try:
             remote.state = self._remote_add(remote.name, remote.info)
         except TransferFailed as e:
-            if remote.path is RemotePath.UNDECIDED:
+            if at_read:
                 remote.path = RemotePath.UNUSABLE
                 remote.refusal = f"{remote.refusal}; the {self.backend} backend refused it too: {e}"
                 raise PeerUnusable(str(e)) from e
@@ -274,7 +278,7 @@ class PieceTransport(DataTransport):
             raise TransferFailed(f"unknown data peer {peer_key!r}")
         lr, rr = check_rows(local_rows, remote_rows, self._region.num_blocks, peer.num_blocks)
         if peer.remote.path is RemotePath.UNDECIDED:
-            self._resolve(peer.remote)  # raises PeerUnusable: the caller closes the session
+            self._resolve(peer.remote, at_read=True)  # raises PeerUnusable: the caller closes the session
         elif peer.remote.path is RemotePath.UNUSABLE:
             raise PeerUnusable(peer.remote.refusal)
         pieces = deque(split_runs(coalesce(lr, rr), self._bb, self.max_piece_bytes))

@@ -139,6 +139,12 @@ def test_a_link_the_peer_dialed_chooses_its_path_at_the_first_read(children, shm
             path, why = tr.path_of("in-1")
             assert path == "unusable" and "refused it too" in why, (path, why)
             assert (local_region.array()[rows] == CANARY).all()
+            # a later link to that agent starts afresh (nothing was loaded or posted through the unusable one)
+            tr.add_peer("out-2", peer.info)
+            assert tr.path_of("out-2") == ("same_host", "")
+            tid = tr.read_blocks("out-2", rows, rows + 100)
+            assert settle(tr, [tid]) == {tid: None}
+            assert (local_region.array()[rows] == peer.expected()[rows + 100]).all()
         else:
             tid = tr.read_blocks("in-1", rows, rows + 100)
             assert settle(tr, [tid]) == {tid: None}
@@ -151,6 +157,24 @@ def test_a_link_the_peer_dialed_chooses_its_path_at_the_first_read(children, shm
                 assert (path, why) == ("same_host", "")
             else:
                 assert path == "nixl" and "does not hand over its files here" in why, (path, why)
+        peer.exit(children)
+    finally:
+        assert tr.close()
+
+
+def test_a_peer_naming_anothers_agent_with_its_own_files_is_not_used_for_the_other(children, shm_prefix,
+                                                                                   local_region):
+    """A peer that dials us claiming another's agent name, copying its fields but naming its own handover socket,
+    must not become the same-host source when we then dial the real one: that link is refused (another
+    incarnation of the agent), never served out of the first peer's files."""
+    peer = PeerProc(children, "same_host", shm_prefix + "peer", 512, 16384, seed=7)
+    tr = transport(local_region, "same_host", agent_name=f"local-{os.getpid()}-squat")
+    try:
+        squat = msgspec.structs.replace(
+            peer.info, same_host=msgspec.structs.replace(peer.info.same_host, socket="p2pworker-ho-" + "1" * 16))
+        tr.add_peer("in-1", squat, now=False)
+        with pytest.raises(TransferFailed, match="already loaded"):
+            tr.add_peer("out-1", peer.info)
         peer.exit(children)
     finally:
         assert tr.close()
