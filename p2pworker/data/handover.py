@@ -47,7 +47,6 @@ import re
 import secrets
 import select
 import socket
-import stat
 import struct
 import threading
 import time
@@ -55,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from p2pworker.errors import RegionIdentityError
+from p2pworker.shm.region import READONLY_OPEN_FLAGS, file_id
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ MAX_CONNS = 256  # connections a handover thread holds at once (each for at most
 ACCEPTS_PER_WAKE = 64
 ACCEPT_PAUSE_S = 0.1
 # A region of more segment files than this is not offered (each is a descriptor on both sides during a handover,
-# and the consumer keeps one per file); vLLM's CPU tier uses one file, or >= 1 GiB segments.
+# and the consumer keeps one per file); vLLM's CPU tier uses one file, or >= 1 GiB segments.  Not a limit a job
+# reaches (invariant 8): a job's size never changes how many files the region has.
 MAX_FILES = 1024
 
 
@@ -116,10 +117,8 @@ def _open_checked(paths: Sequence[str], ids: Sequence[tuple[int, int]]) -> list[
     fds: list[int] = []
     try:
         for path, want in zip(paths, ids, strict=True):
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
-            fds.append(fd)
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != tuple(want):
+            fds.append(os.open(path, READONLY_OPEN_FLAGS))
+            if file_id(fds[-1]) != tuple(want):
                 raise RegionIdentityError(f"{path} is no longer the file this worker maps")
     except BaseException:
         for fd in fds:

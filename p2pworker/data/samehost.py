@@ -60,7 +60,6 @@ import enum
 import fcntl
 import os
 import select
-import stat
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
@@ -69,7 +68,7 @@ from p2pworker.data import handover
 from p2pworker.data.base import split_runs
 from p2pworker.errors import RegionError, RegionIdentityError, TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo, RegionFile, SameHostInfo
-from p2pworker.shm.region import SHM_DIR, KVRegion, RegionHandle, Segment
+from p2pworker.shm.region import SHM_DIR, KVRegion, RegionHandle, Segment, file_id
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -147,11 +146,11 @@ class SameHostSource:
             self._poll.register(self._pidfd, select.POLLIN)  # readable once the process exited
             held = []
             for fd in handed.fds:
-                st, fl = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+                fl = fcntl.fcntl(fd, fcntl.F_GETFL)
                 # Open for reading: the peer could read the file itself.  An O_PATH or write-only descriptor needs
                 # no read permission (O_PATH: only search on /dev/shm), and we must not read for it what it cannot.
                 readable = not fl & os.O_PATH and fl & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
-                held.append((st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) and readable else None)
+                held.append(file_id(fd) if readable else None)
             named = [(f.dev, f.ino) for f in sh.files]
             if held != named:
                 # A peer naming files it did not hand over: they are not its own to offer (a third engine's region

@@ -111,6 +111,17 @@ def segment_paths(path: str) -> Iterator[str]:
         i += 1
 
 
+# How we open a file another process owns (read-only maps; the same-host handover of our own files): never block
+# (a FIFO), never follow a link, never take a terminal.
+READONLY_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def file_id(fd: int) -> tuple[int, int] | None:
+    """What the open file IS, (st_dev, st_ino), or None when it is not a regular file (only those are mapped)."""
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
 def _resolve(name_or_path: str) -> str:
     return name_or_path if "/" in name_or_path else f"{SHM_DIR}/{name_or_path}"
 
@@ -137,19 +148,18 @@ class KVRegion:
             raise RegionGeometryError(f"{len(expect_ids)} file identities for {len(handle.segments)} segments")
         try:
             for i, seg in enumerate(handle.segments):
-                # read-only is how we open ANOTHER process's files, by paths a peer named: never block (a FIFO), never
-                # follow a link, never take a terminal; only a regular file is mapped
-                flags = (os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY) if readonly else os.O_RDWR
+                # read-only is how we open ANOTHER process's files, by paths a peer named
+                flags = READONLY_OPEN_FLAGS if readonly else os.O_RDWR | os.O_CLOEXEC
                 try:
-                    fd = os.open(seg.path, flags | os.O_CLOEXEC)
+                    fd = os.open(seg.path, flags)
                 except FileNotFoundError as e:
                     raise RegionError(f"segment {i} of the region does not exist: {seg.path}") from e
                 fds.append(fd)
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
+                fid = file_id(fd)
+                if fid is None:
                     raise RegionIdentityError(f"segment {i} ({seg.path}) is not a regular file")
-                size = st.st_size
-                ids.append((st.st_dev, st.st_ino))
+                size = os.fstat(fd).st_size
+                ids.append(fid)
                 # the identity of the descriptor we are about to map, not of a path looked up again later
                 if expect_ids is not None and tuple(expect_ids[i]) != ids[-1]:
                     raise RegionIdentityError(
