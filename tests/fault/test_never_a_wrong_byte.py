@@ -126,7 +126,9 @@ def test_consumer_sigstopped_mid_read_past_the_lease_never_reports_mixed_bytes(n
             cons.region.array()[dst] = CANARY
             time.sleep(1.0)
             assert (cons.region.array()[dst] == CANARY).all(), "bytes landed after the failed report"
-            assert "deadline" in rep.reason or "timed out" in rep.reason, rep.reason
+            # why: its own read deadline, or (stopped ~4 s, past the 3 s heartbeat liveness) the session declared the
+            # producer lost when it woke, whichever its loop saw first: both are failures, which is the promise
+            assert any(w in rep.reason for w in ("deadline", "timed out", "heartbeat lost")), rep.reason
         prod.region.array()[src] = original
     assert caught >= 1, f"the consumer was never stopped in the middle of its reads: {outcomes}"
     st = cons.status()  # reads seen done after their deadline: open sessions' counters + retired ones'
