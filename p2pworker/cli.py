@@ -165,8 +165,9 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
                    f"  peer deaths {st['counters'].get('peer_deaths', 0)}")
         if st["sessions"]:
             rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s.get("data_path") or "-",
-                     s["close_reason"]] for s in st["sessions"]]
-            click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "data path", "closed because"])
+                     s.get("lane") or "-", s["close_reason"]] for s in st["sessions"]]
+            click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "data path", "messages via",
+                                            "closed because"])
                        .replace("\n", "\n  "))
             for s in st["sessions"]:  # why a link does not copy on this host: what an operator asks first
                 if s.get("data_path_why"):
@@ -406,15 +407,17 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
                 for n in block_counts:
                     progress(f"{kib} KiB x {n}: {requests} requests through two workers ({path}), {inflight} in flight")
                     rig.run(2, n, inflight=1, verify=False, contiguous=True)  # warm-up: sessions, connections
-                    used = {x["data_path"] for x in query(rig.decode.ready.admin)["sessions"] if x["data_path"]}
+                    sessions = query(rig.decode.ready.admin)["sessions"]
+                    used = {x["data_path"] for x in sessions if x["data_path"]}
                     if used != {path}:
                         raise click.ClickException(f"the workers were to use {path} but use {sorted(used)}")
+                    lane = ",".join(sorted({x["lane"] for x in sessions}))  # same_host: its messages on a lane
                     thr = rig.run(requests, n, inflight=inflight, verify=False, contiguous=True)
                     lat = rig.run(max(5, requests // 3), n, inflight=1, verify=False, contiguous=True)
                     if thr.failures or thr.mismatches or lat.failures:
                         raise click.ClickException(f"bench run failed: {(thr.failures + lat.failures)[:3]}")
                     raw, mem = base[("raw_nixl", n)], base[("memcpy", n)]
-                    row = {"block_bytes": bb, "blocks": n, "request_bytes": n * bb, "data_path": path,
+                    row = {"block_bytes": bb, "blocks": n, "request_bytes": n * bb, "data_path": path, "messages": lane,
                            "workers_gbps": round(thr.gbps, 3), "raw_nixl_gbps": raw, "memcpy_gbps": mem,
                            "ratio": round(thr.gbps / raw, 3), "vs_memcpy": round(thr.gbps / mem, 3),
                            "latency_ms_p50": round(lat.latency_ms(0.5), 3),

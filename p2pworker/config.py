@@ -38,6 +38,9 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True):
     # copy its rows ourselves out of a read-only map of that file; false: never (and do not offer ours)
     same_host: bool = True
     copy_threads: PosInt = 2  # threads (this one included) for a same-host copy of >= 4 MiB
+    # with same_host: a session we dial to a peer on this host moves its messages to a local socket once both ends
+    # proved the session's key (p2pworker.control.lane); false: they stay on the control link
+    lane: bool = True
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):

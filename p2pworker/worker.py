@@ -37,14 +37,19 @@ from p2pworker import api
 from p2pworker.admin import AdminServer
 from p2pworker.config import WorkerConfig
 from p2pworker.control import ControlTransport, LinkDown, LinkState, LinkUp, Received, ZmqControl
+from p2pworker.control.lane import Lane, LaneBroken, LaneClosed
 from p2pworker.data import DataTransport, make_data_transport
+from p2pworker.data.handover import TIMEOUT_S as LANE_TIMEOUT_S
+from p2pworker.data.handover import LaneDial, LaneRefused
 from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, PeerUnusable, TransferFailed
 from p2pworker.fingerprint import Fingerprint
-from p2pworker.protocol.messages import PROTOCOL_VERSION, encode
+from p2pworker.protocol.messages import PROTOCOL_VERSION, LaneUp, encode
 from p2pworker.session import (
     Action,
     AddDataPeer,
     CancelReads,
+    DialLane,
+    ExpectLane,
     JobDone,
     LookupAnswer,
     ParkingLot,
@@ -162,7 +167,14 @@ class Worker:
         self._heartbeats = 0
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
-        self._poll_epoch: int | None = None  # the control sockets_epoch the poller was built for
+        self._poll_epoch: tuple | None = None  # the (control sockets_epoch, lane epoch) the poller was built for
+        # Same-host lanes (p2pworker.control.lane), by control link: up (our messages go there: LaneUp went out on
+        # the link), being dialed (until handover.TIMEOUT_S), and links whose peer said LaneUp before its lane
+        # reached us (it must within handover.TIMEOUT_S: its messages wait there).
+        self._lanes: dict[str, tuple[Session, Lane]] = {}
+        self._dials: dict[str, tuple[Session, LaneDial]] = {}
+        self._lane_awaited: dict[str, float] = {}
+        self._lane_epoch = 0
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.identity: dict = {}  # the adapter's KV identity (model, dtype, ...) from AttachRegion; metric labels
         self.metrics = None
@@ -208,6 +220,12 @@ class Worker:
             for ev in self.ctl.poll(0):
                 did = True
                 self._on_control(ev)
+        if self._lanes or self._dials:
+            did = self._poll_lanes() or did
+        server = self.data.lane_server() if self.data is not None else None
+        if server is not None and server.lanes_waiting:
+            did = True
+            self._take_lanes(server)
         if self.data is not None:
             did = self._poll_data() or did
         if self._resolving:
@@ -222,6 +240,7 @@ class Worker:
             for s in [*self.sessions.values(), *self._settling]:
                 if s.stuck:
                     self._abort(s.stuck)
+            self._lane_deadlines(now)
             if self.ctx is not None:
                 self.ctx.lot.tick()
                 for key in self.kept:  # a kept peer whose session closed: open a new one (_session_for backs off)
@@ -249,7 +268,117 @@ class Worker:
         self._flush_events()
         self.admin.serve()
         # pending events, or one that spans slots and is partly out: the adapter frees slots as it polls
-        return did or self._needs_polling() or bool(self.pending) or self.evt.pending_bytes > 0
+        return did or self._needs_polling() or bool(self.pending) or self.evt.pending_bytes > 0 or \
+            any(lane.backlog for _, lane in self._lanes.values())
+
+    # ------------------------------------------------------------ same-host lanes
+    def _poll_lanes(self) -> bool:
+        did = False
+        for link, (s, dial) in list(self._dials.items()):
+            try:
+                if not dial.step():
+                    continue
+            except LaneRefused as e:
+                log.info("no same-host lane to %s: %s", s.peer_id or link, e)
+                self._drop_dial(link)
+                continue
+            did = True
+            del self._dials[link]
+            self._lane_epoch += 1
+            if self.sessions.get(link) is s and s.state is State.ACTIVE:
+                self._lane_up(link, s, dial.sock, dial.key)
+            else:
+                dial.close()
+        for link, (s, lane) in list(self._lanes.items()):
+            try:
+                if lane.backlog:
+                    lane.flush()
+                frames = lane.recv() if lane.reading else ()
+            except LaneBroken as e:
+                # closed by the peer (it closed the session, or died): as a lost link ("peer lost" keeps an outbound
+                # link to reconnect, see _retire); anything else is a broken session, closed with a Bye
+                gone = isinstance(e, LaneClosed)
+                self._drop_lane(s)  # a Bye goes on the control link
+                self._run(link if not gone else None, s,
+                          s.close(f"peer lost: same-host lane: {e}" if gone else f"same-host lane: {e}", bye=not gone))
+                self._retire(s)
+                continue
+            for frame in frames:
+                did = True
+                if self.sessions.get(link) is not s:
+                    break
+                self._on_control(Received(link, frame))
+        return did
+
+    def _lane_up(self, link: str, s: Session, sock, key: bytes) -> None:
+        """A proven lane for ``s``: say LaneUp on the control link, then send the session's messages on the lane."""
+        lane = Lane(sock, self.cfg.control.max_frame_bytes)
+        try:
+            self.ctl.send(link, encode(LaneUp()))
+        except P2PError as e:
+            log.info("no same-host lane to %s: %s", s.peer_id or link, e)
+            lane.close()
+            return
+        self._lanes[link] = (s, lane)
+        self._lane_epoch += 1
+        self.counters["lanes_up"] += 1
+        if s.lane_in:
+            self._lane_read(link, s)
+
+    def _lane_read(self, link: str, s: Session) -> None:
+        """The peer's LaneUp arrived: its later messages are on the lane."""
+        got = self._lanes.get(link)
+        if got is not None and got[0] is s:
+            self._lane_awaited.pop(link, None)
+            if not got[1].reading:
+                got[1].reading = True
+                self._lane_epoch += 1
+        elif link not in self._lane_awaited:
+            # It proved our key to our handover thread before it said so: the lane is on its way to this loop.
+            self._lane_awaited[link] = self.clock() + LANE_TIMEOUT_S
+
+    def _take_lanes(self, server) -> None:
+        for link, key, sock in server.take_lanes():
+            s = self.sessions.get(link)
+            if s is None or s.state is not State.ACTIVE or s.peer_lane_key != key or link in self._lanes:
+                sock.close()  # its session is gone (or has one): the dialer sees the close and ends its own
+                continue
+            self._lane_up(link, s, sock, key)
+
+    def _lane_deadlines(self, now: float) -> None:
+        for link, (s, dial) in list(self._dials.items()):
+            if now >= dial.deadline:
+                log.info("no same-host lane to %s: no proof within %g s", s.peer_id or link, LANE_TIMEOUT_S)
+                self._drop_dial(link)
+        for link, by in list(self._lane_awaited.items()):
+            s = self.sessions.get(link)
+            if s is None:
+                del self._lane_awaited[link]
+            elif now >= by:
+                del self._lane_awaited[link]
+                self._run(link, s, s.close("the peer moved to a same-host lane that never reached us", bye=True))
+
+    def _drop_dial(self, link: str) -> None:
+        _, dial = self._dials.pop(link)
+        dial.close()
+        self._lane_epoch += 1
+
+    def _drop_lane(self, s: Session) -> None:
+        """Everything lane of ``s`` (closed or superseded)."""
+        link = s.link
+        got = self._lanes.get(link)
+        if got is not None and got[0] is s:
+            del self._lanes[link]
+            got[1].close()
+            self._lane_epoch += 1
+        dial = self._dials.get(link)
+        if dial is not None and dial[0] is s:
+            self._drop_dial(link)
+        if self.sessions.get(link) is s or link not in self.sessions:
+            self._lane_awaited.pop(link, None)
+        server = self.data.lane_server() if self.data is not None else None
+        if server is not None and s.peer_lane_key:
+            server.forget_lane(s.peer_lane_key)
 
     def _poll_data(self) -> bool:
         """Hand settled reads back to the sessions that posted them."""
@@ -315,10 +444,14 @@ class Worker:
         timeout_s = poll_timeout_s(self.cfg, busy=busy, now=self.clock(), next_tick=self._next_tick,
                                    offering=lot.offering if lot is not None else 0,
                                    last_offer_at=lot.last_offer_at if lot is not None else -math.inf)
-        epoch = self.ctl.sockets_epoch if self.ctl is not None else -1
-        if epoch != self._poll_epoch:  # links come and go: rebuild only then (not O(links) on every sleep)
+        epoch = (self.ctl.sockets_epoch if self.ctl is not None else -1, self._lane_epoch)
+        if epoch != self._poll_epoch:  # links and lanes come and go: rebuild only then (not O(links) every sleep)
             self._poller = zmq.Poller()
-            for sock in (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ())):
+            server = self.data.lane_server() if self.data is not None else None
+            lanes = [lane.fileno() for _, lane in self._lanes.values() if lane.reading]
+            for sock in (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ()),
+                         *([server.wake_fd] if server is not None else ()), *lanes,
+                         *(dial.fileno() for _, dial in self._dials.values())):
                 self._poller.register(sock, zmq.POLLIN)
             self._poll_epoch = epoch
         if self.cmd.arm():
@@ -471,6 +604,7 @@ class Worker:
         self.ctx = SessionContext(
             node_id=ctl.node_id, data_info=data.local_info(), fingerprint=self.fingerprint,
             reporter=self.reporter, lot=lot, clock=self.clock, config=cfg.session,
+            lanes=cfg.data.same_host and cfg.data.lane and data.lane_server() is not None,
         )
         log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
                  region.num_blocks, region.block_bytes, ctl.address, data.backend, self.fingerprint.digest)
@@ -600,9 +734,16 @@ class Worker:
                     if self._held_sends is not None:  # inside _poll_data: after the events (in order)
                         self._held_sends.append((link, s, a))
                         continue
+                    lane = self._lanes.get(link)
                     try:
-                        self.ctl.send(link, encode(msg))
-                    except P2PError as e:
+                        if lane is not None and lane[0] is s:
+                            lane[1].send(encode(msg))  # LaneUp went out on the link: from then on, only the lane
+                        else:
+                            self.ctl.send(link, encode(msg))
+                    except LaneClosed as e:  # the peer's end is gone: as a lost link (see _poll_lanes)
+                        link = None
+                        todo.extend(s.close(f"peer lost: same-host lane: {e}"))
+                    except P2PError as e:  # LaneBroken too
                         log.warning("control link %s: %s; closing its session", link, e)
                         link_was, link = link, None  # nothing more goes out on it
                         todo.extend(s.close(f"control link {link_was} unusable: {e}"))
@@ -616,6 +757,20 @@ class Worker:
                         todo.extend(s.close(f"data plane refused the peer: {e}", bye=True))
                 case RemoveDataPeer():
                     self.data.remove_peer(s.link)
+                case DialLane(key=key, info=info):
+                    target = self.data.lane_target(info) if link is not None else None
+                    if target is not None and link not in self._dials and link not in self._lanes:
+                        try:
+                            dial = LaneDial(*target, key, self.clock() + LANE_TIMEOUT_S)
+                        except LaneRefused as e:
+                            log.info("no same-host lane to %s: %s", s.peer_id or link, e)
+                        else:
+                            self._dials[link] = (s, dial)
+                            self._lane_epoch += 1
+                case ExpectLane(key=key):
+                    server = self.data.lane_server()
+                    if server is not None and link is not None:
+                        server.expect_lane(key, link)
                 case PostRead(read_id=rid, local_rows=local, remote_rows=remote):
                     try:
                         tid = self.data.read_blocks(s.link, local, remote)
@@ -633,10 +788,13 @@ class Worker:
                         self.data.cancel(tids)
         if s.state is State.CLOSED:
             self._retire(s)
+        elif s.lane_in and link is not None:
+            self._lane_read(link, s)
 
     def _retire(self, s: Session) -> None:
         """Forget a closed session's link; keep the session until its cancelled reads settled."""
         link = s.link
+        self._drop_lane(s)
         forgotten = False  # removed from one of our collections by this call (counters are folded once)
         if self.sessions.get(link) is s:
             del self.sessions[link]
@@ -780,6 +938,16 @@ class Worker:
                     # A consumer may still be reading those rows (a read goes by pid, not by registration):
                     # their store jobs are failed by the adapter once this process is gone, not by us now.
                     log.info("%d leased request(s) stay unreported until this process exits", held)
+            for link, (sess, lane) in list(self._lanes.items()):
+                try:
+                    lane.flush()  # the Byes above, when the peer's socket has room
+                except LaneBroken:
+                    pass
+                lane.close()
+            for _, dial in self._dials.values():
+                dial.close()
+            self._lanes.clear()
+            self._dials.clear()
             if self.ctl is not None:
                 self.ctl.close()
             deadline = self.clock() + 2.0
@@ -830,6 +998,13 @@ class Worker:
         path, why = got if got is not None else (None, "")
         return {"data_path": path, "data_path_why": why}
 
+    def _lane_state(self, link: str, s: Session) -> str:
+        """Where the session's messages go (inspect): "up" (a same-host lane), "dialing", or "control link"."""
+        got = self._lanes.get(link)
+        if got is not None and got[0] is s:
+            return "up"
+        return "dialing" if link in self._dials else "control link"
+
     def status(self) -> dict:
         data = self.data
         return {
@@ -846,7 +1021,8 @@ class Worker:
                       {"num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes},
             "sessions": [
                 {"link": link, "peer_id": s.peer_id, "state": s.state.value, "open_loads": s.open_loads,
-                 "close_reason": s.close_reason, **self._data_path(link), **s.counters}
+                 "close_reason": s.close_reason, **self._data_path(link), "lane": self._lane_state(link, s),
+                 **s.counters}
                 for link, s in self.sessions.items()
             ],
             "jobs_in_flight": self.reporter.open_jobs,

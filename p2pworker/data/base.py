@@ -151,6 +151,15 @@ class DataTransport(abc.ABC):
         """(the path reads from ``peer_key`` take, why not the same-host path); None for an unknown key."""
         return None
 
+    def lane_server(self):
+        """Our handover socket (``p2pworker.data.handover.HandoverServer``), where the peers that dialed us open
+        their sessions' same-host lanes; None when we offer none."""
+        return None
+
+    def lane_target(self, info: PeerDataInfo) -> tuple[str, bytes] | None:
+        """(handover socket name, token) of a peer our session may open a same-host lane to; None: no lane."""
+        return None
+
     @abc.abstractmethod
     def remove_peer(self, peer_key: str) -> None:
         """Cancel the key's transfers (unposted pieces are dropped at once); the remote agent

@@ -38,6 +38,7 @@ use the backend; see HandoverServer).
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 import logging
 import math
@@ -61,9 +62,16 @@ log = logging.getLogger(__name__)
 MAGIC = b"p2pwHO1\0"
 MODE_PIDFD = b"P"  # the consumer holds a pidfd from SO_PEERPIDFD: hand over and close
 MODE_ACK = b"A"  # the consumer opens our pidfd by pid: stay connected until its ack (or close)
+MODE_LANE = b"L"  # no files: both ends prove a session's lane key, and the connection becomes that session's lane
 ACK = b"A"
 TOKEN_BYTES = 32
 HELLO_BYTES = len(MAGIC) + 1 + TOKEN_BYTES
+LANE_KEY_BYTES = 32  # chosen by the dialing session, told to its peer only in its Hello (authenticated link)
+LANE_ID_BYTES = NONCE_BYTES = 16
+LANE_HELLO_BYTES = HELLO_BYTES + LANE_ID_BYTES + NONCE_BYTES
+MAC_BYTES = 32
+SERVER_PROOF = b"S"  # + server nonce + HMAC(key, "server" + client nonce + server nonce)
+CLIENT_PROOF = b"C"  # + HMAC(key, "client" + server nonce + client nonce)
 NAME_PREFIX = "p2pworker-ho-"
 NAME_RE = re.compile(re.escape(NAME_PREFIX) + "[0-9a-f]{16}")  # what a peer may name (HandoverServer.name)
 # The kernel takes at most SCM_MAX_FD (253) descriptors in one message; a region may have more segment files.
@@ -127,9 +135,25 @@ def _open_checked(paths: Sequence[str], ids: Sequence[tuple[int, int]]) -> list[
     return fds
 
 
+def lane_id(key: bytes) -> bytes:
+    """What a lane's dialer names its key by on the wire (the key itself never crosses the local socket)."""
+    return hashlib.sha256(b"p2pw-lane-id|" + key).digest()[:LANE_ID_BYTES]
+
+
+def lane_mac(key: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, b"p2pw-lane|" + side + b"|" + first + second, hashlib.sha256).digest()
+
+
 class _Stage(enum.Enum):
     HELLO = "waiting for the hello"
     ACK = "waiting for the ack (mode A)"
+    LANE = "waiting for the lane's client proof"
+
+
+class _Next(enum.Enum):
+    KEEP = "keep"  # more to come on this connection
+    CLOSE = "close"
+    HANDED = "handed"  # a proven lane: now the worker's loop owns the socket
 
 
 @dataclass
@@ -137,6 +161,9 @@ class _Conn:
     sock: socket.socket
     deadline: float
     stage: _Stage = _Stage.HELLO
+    key: bytes = b""  # lane: the session key both ends proved
+    link: str = ""  # lane: the control link of the session it belongs to
+    nonces: bytes = b""  # lane: client nonce + server nonce
 
 
 class HandoverServer:
@@ -159,6 +186,13 @@ class HandoverServer:
         self.name = NAME_PREFIX + secrets.token_hex(8)  # abstract: nothing in any filesystem to leak
         self._closed = False
         self._conns: dict[int, _Conn] = {}
+        # Lanes (README "Same-host lane"): the worker's loop says which session keys to expect (lane id -> (key,
+        # link)); proven lanes wait in _ready for it, and a byte on the wake pipe tells its poll.  One lock: the
+        # loop and this thread both touch them.
+        self._lock = threading.Lock()
+        self._expected: dict[bytes, tuple[bytes, str]] = {}
+        self._ready: list[tuple[str, bytes, socket.socket]] = []
+        self._wake_r = self._wake_w = -1
         self._listen_again_at: float | None = None  # accept failed (EMFILE ...): the listener is not polled until
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._stop_r = self._stop_w = -1
@@ -167,6 +201,7 @@ class HandoverServer:
             self._sock.listen(socket.SOMAXCONN)  # a burst of consumers connecting at once is not refused
             self._sock.setblocking(False)
             self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             self._thread = threading.Thread(target=self._serve, name="p2pw-handover", daemon=True)
             self._thread.start()
         except BaseException:
@@ -199,15 +234,17 @@ class HandoverServer:
                         self._accept(poller)
                     elif fd in self._conns:
                         try:
-                            done = self._step(self._conns[fd])
+                            nxt = self._step(self._conns[fd])
                         except RegionIdentityError as e:  # ours, not the peer's: every consumer would be refused
                             log.warning("same-host handover refused: %s", e)
-                            done = True
+                            nxt = _Next.CLOSE
                         except Exception as e:  # a peer's bad connection never ends the thread
                             log.debug("same-host handover: a connection ended without one: %s", e)
-                            done = True
-                        if done:
+                            nxt = _Next.CLOSE
+                        if nxt is _Next.CLOSE:
                             self._drop(poller, fd)
+                        elif nxt is _Next.HANDED:
+                            self._hand_lane(poller, fd)
         finally:
             for fd in list(self._conns):
                 self._drop(poller, fd)
@@ -243,15 +280,34 @@ class HandoverServer:
         poller.unregister(fd)
         c.sock.close()
 
-    def _step(self, c: _Conn) -> bool:
-        """One readable connection; True when it is finished (to be closed)."""
+    def _step(self, c: _Conn) -> _Next:
+        """One readable connection: what to do with it next."""
         if c.stage is _Stage.ACK:
-            return True  # the ack, or the consumer's close: either way it is done with us
-        hello = c.sock.recv(HELLO_BYTES + 1)  # sent right after connect, in one datagram
-        mode, token = hello[len(MAGIC):len(MAGIC) + 1], hello[len(MAGIC) + 1:]
-        if len(hello) != HELLO_BYTES or not hello.startswith(MAGIC) or mode not in (MODE_PIDFD, MODE_ACK) \
+            return _Next.CLOSE  # the ack, or the consumer's close: either way it is done with us
+        if c.stage is _Stage.LANE:
+            proof = c.sock.recv(1 + MAC_BYTES + 1)
+            want = CLIENT_PROOF + lane_mac(c.key, b"client", c.nonces[NONCE_BYTES:], c.nonces[:NONCE_BYTES])
+            return _Next.HANDED if hmac.compare_digest(proof, want) else _Next.CLOSE
+        hello = c.sock.recv(LANE_HELLO_BYTES + 1)  # sent right after connect, in one datagram
+        mode, token = hello[len(MAGIC):len(MAGIC) + 1], hello[len(MAGIC) + 1:HELLO_BYTES]
+        size = LANE_HELLO_BYTES if mode == MODE_LANE else HELLO_BYTES
+        if len(hello) != size or not hello.startswith(MAGIC) or mode not in (MODE_PIDFD, MODE_ACK, MODE_LANE) \
                 or not hmac.compare_digest(token, self.token):
-            return True  # closed with nothing sent
+            return _Next.CLOSE  # closed with nothing sent
+        if mode == MODE_LANE:
+            lid, nonce_c = hello[HELLO_BYTES:HELLO_BYTES + LANE_ID_BYTES], hello[HELLO_BYTES + LANE_ID_BYTES:]
+            with self._lock:
+                expected = self._expected.get(lid)
+            if expected is None:
+                return _Next.CLOSE  # no session of ours told us this key: the dialer keeps to its control link
+            c.key, c.link = expected
+            nonce_s = secrets.token_bytes(NONCE_BYTES)
+            c.nonces = nonce_c + nonce_s
+            # We prove the key first: the dialer sends its own proof only to whoever knows it (so a process that
+            # bound this name in our place learns nothing it could replay).
+            c.sock.send(SERVER_PROOF + nonce_s + lane_mac(c.key, b"server", nonce_c, nonce_s))
+            c.stage = _Stage.LANE
+            return _Next.KEEP
         fds = _open_checked(self.paths, self.ids)
         try:
             for i in range(0, len(fds), FDS_PER_MESSAGE):
@@ -265,20 +321,68 @@ class HandoverServer:
             # Until the ack we stay connected: the consumer checks that we still are after it opened our pidfd by
             # pid.  A consumer with SO_PEERPIDFD needs no such wait.
             c.stage = _Stage.ACK
-            return False
-        return True
+            return _Next.KEEP
+        return _Next.CLOSE
+
+    def _hand_lane(self, poller: select.poll, fd: int) -> None:
+        c = self._conns.pop(fd)
+        poller.unregister(fd)
+        with self._lock:
+            if self._closed:
+                c.sock.close()
+                return
+            self._ready.append((c.link, c.key, c.sock))
+        try:
+            os.write(self._wake_w, b"L")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already: the loop is woken
+
+    # ------------------------------------------------------------ lanes (called from the worker's loop)
+    def expect_lane(self, key: bytes, link: str) -> None:
+        """Accept a lane proving ``key`` (a session's, from its peer's Hello) for the session on ``link``."""
+        with self._lock:
+            self._expected[lane_id(key)] = (key, link)
+
+    def forget_lane(self, key: bytes) -> None:
+        with self._lock:
+            self._expected.pop(lane_id(key), None)
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable when proven lanes wait for :meth:`take_lanes`."""
+        return self._wake_r
+
+    @property
+    def lanes_waiting(self) -> bool:
+        return bool(self._ready)  # a list's truth under the GIL: a stale answer only defers to the next turn
+
+    def take_lanes(self) -> list[tuple[str, bytes, socket.socket]]:
+        """Proven lanes: (the session's link, the key it proved, the socket); the caller owns the sockets."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            out, self._ready = self._ready, []
+        return out
 
     def _release(self) -> None:
         self._sock.close()
-        for fd in (self._stop_r, self._stop_w):
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for _, _, sock in ready:  # proven lanes the loop never took
+            sock.close()
+        for fd in (self._stop_r, self._stop_w, self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
-        self._stop_r = self._stop_w = -1
+        self._stop_r = self._stop_w = self._wake_r = self._wake_w = -1
 
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True
         os.write(self._stop_w, b"x")
         self._thread.join(timeout=5.0)  # it never blocks but in poll: it ends at once
         if self._thread.is_alive():  # never seen; leave its descriptors to it rather than close them under it
@@ -388,3 +492,63 @@ def receive(name: str, token: bytes, n_files: int, timeout_s: float = TIMEOUT_S)
         raise
     finally:
         s.close()
+
+
+class LaneRefused(Exception):
+    """No lane: the session keeps to its control link (never an error for its jobs)."""
+
+
+class LaneDial:
+    """The dialing session's end of a lane until the server proved the key: non-blocking, driven by the worker's
+    loop (readable: :meth:`step`), given up at ``deadline`` by its owner.
+
+    Wire (``SOCK_SEQPACKET`` to the peer's handover socket)::
+
+        MAGIC + "L" + token + lane_id(key) + client nonce   ─────►  the session on that link told it the key?
+                                                                      no: close
+        verify; wrong: refuse (not our peer)     ◄─────  "S" + server nonce + HMAC(key, server | nonces)
+        "C" + HMAC(key, client | nonces)         ─────►  verify; wrong: close; right: the socket is that
+                                                          session's lane (the worker's loop takes it)
+    """
+
+    def __init__(self, name: str, token: bytes, key: bytes, deadline: float) -> None:
+        self.name = name
+        self.key = key
+        self.deadline = deadline
+        self._nonce = secrets.token_bytes(NONCE_BYTES)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            # An abstract local socket: connect completes at once, or fails (EAGAIN: its backlog is full).
+            self.sock.connect("\0" + name)
+            self.sock.send(MAGIC + MODE_LANE + token + lane_id(key) + self._nonce)
+        except OSError as e:
+            self.sock.close()
+            raise LaneRefused(f"{name}: {type(e).__name__}: {e}") from e
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def step(self) -> bool:
+        """The socket was readable: True once the server proved the key and our proof went out (``sock`` is then
+        the lane); raises :class:`LaneRefused`."""
+        try:
+            msg = self.sock.recv(1 + NONCE_BYTES + MAC_BYTES + 1)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            raise LaneRefused(f"{self.name}: {type(e).__name__}: {e}") from e
+        if not msg:
+            raise LaneRefused(f"{self.name} closed: no session there expects our key")
+        nonce_s, mac = msg[1:1 + NONCE_BYTES], msg[1 + NONCE_BYTES:]
+        if len(msg) != 1 + NONCE_BYTES + MAC_BYTES or msg[:1] != SERVER_PROOF or \
+                not hmac.compare_digest(mac, lane_mac(self.key, b"server", self._nonce, nonce_s)):
+            # whoever holds that name does not know the key our session gave its peer: not our peer
+            raise LaneRefused(f"{self.name} failed the session proof")
+        try:
+            self.sock.send(CLIENT_PROOF + lane_mac(self.key, b"client", nonce_s, self._nonce))
+        except OSError as e:
+            raise LaneRefused(f"{self.name}: {type(e).__name__}: {e}") from e
+        return True
+
+    def close(self) -> None:
+        self.sock.close()

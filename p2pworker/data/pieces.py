@@ -242,6 +242,16 @@ class PieceTransport(DataTransport):
                 return "unusable", peer.remote.refusal
         return self.backend, peer.remote.refusal
 
+    def lane_server(self):
+        return None if self._closed else self._handover
+
+    def lane_target(self, info: PeerDataInfo) -> tuple[str, bytes] | None:
+        # The same checks as before a handover, without I/O: our flag, same boot, its socket of our naming and in
+        # our network namespace (where that name can only be its own).  The lane then proves the session key.
+        if samehost.precheck(self.same_host, info) is not None:
+            return None
+        return info.same_host.socket, info.same_host.token
+
     def remotes(self) -> dict[str, int]:
         """Loaded remote agents and how many peer records (live or retiring) reference each."""
         return {name: len(r.refs) for name, r in self._remotes.items()}

@@ -22,8 +22,9 @@ from p2pworker.limits import MAX_FRAME_BYTES, MAX_JOB_KEYS, MAX_KEY_BYTES, MAX_M
 
 # 2: consumer pull (Fetch/Offer/Release) replaced producer push.  3: key lists of any length go as parts.
 # 4: PeerDataInfo.same_host (a same-host peer copies from our region file).  5: it gets the file descriptors
-# over a local socket (SameHostInfo.socket/token) instead of trusting an advertised pid.
-PROTOCOL_VERSION = 5
+# over a local socket (SameHostInfo.socket/token) instead of trusting an advertised pid.  6: a same-host session's
+# messages may move to a local lane (Hello.lane, LaneUp; p2pworker.control.lane).
+PROTOCOL_VERSION = 6
 # Invariant 8: a frame carries at most MAX_KEYS keys (so it stays far below MAX_FRAME_BYTES), and a round or a
 # lookup of more keys goes as several frames: Fetch/Lookup parts (``part`` 0, 1, ...; ``more`` on all but the
 # last), Offers in pieces (``final`` on the last), Release/LookupResp parts (``more``).  The receiver puts the
@@ -47,6 +48,9 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     peer_id: Id
     data: PeerDataInfo
     fingerprint: Fingerprint
+    # The dialer's key for this session's same-host lane (empty: none wanted).  Told only over this authenticated
+    # link; the acceptor's handover socket accepts a lane from whoever proves it (p2pworker.data.handover).
+    lane: Annotated[bytes, Meta(max_length=64)] = b""
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack", forbid_unknown_fields=True):
@@ -136,11 +140,15 @@ class ProbeInfo(msgspec.Struct, tag="probe_info", forbid_unknown_fields=True):
     block_bytes: Count
 
 
+class LaneUp(msgspec.Struct, tag="lane_up", forbid_unknown_fields=True):
+    """Sent on the control link: every later message of this session from me comes on our same-host lane."""
+
+
 class Bye(msgspec.Struct, tag="bye", forbid_unknown_fields=True):
     reason: Reason = ""
 
 
-Message = Union[Hello, HelloAck, Fetch, Offer, Release, Lookup, LookupResp, Probe, ProbeInfo, Bye]
+Message = Union[Hello, HelloAck, Fetch, Offer, Release, Lookup, LookupResp, Probe, ProbeInfo, LaneUp, Bye]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -8,6 +8,8 @@ from p2pworker.session.session import (
     Action,
     AddDataPeer,
     CancelReads,
+    DialLane,
+    ExpectLane,
     PostRead,
     RemoveDataPeer,
     Send,
@@ -18,7 +20,8 @@ from p2pworker.session.session import (
 )
 
 __all__ = [
-    "ALLOWED", "LOAD_MOVES", "Action", "AddDataPeer", "CancelReads", "PostRead", "RemoveDataPeer", "Send", "JobDone",
+    "ALLOWED", "LOAD_MOVES", "Action", "AddDataPeer", "CancelReads", "DialLane", "ExpectLane",
+    "PostRead", "RemoveDataPeer", "Send", "JobDone",
     "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
     "SessionConfig", "SessionContext", "SessionUp", "State",
 ]

@@ -52,6 +52,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -82,7 +83,7 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-_RUNNING = frozenset({m.Fetch, m.Offer, m.Release, m.Lookup, m.LookupResp, m.Bye})
+_RUNNING = frozenset({m.Fetch, m.Offer, m.Release, m.Lookup, m.LookupResp, m.LaneUp, m.Bye})
 ALLOWED: dict[State, frozenset] = {
     State.IDLE: frozenset({m.Hello, m.Probe, m.Bye}),
     State.HELLO_SENT: frozenset({m.HelloAck, m.Bye}),
@@ -144,7 +145,22 @@ class CancelReads:
     read_ids: tuple[int, ...]
 
 
-Action = Union[Send, AddDataPeer, RemoveDataPeer, PostRead, CancelReads]
+@dataclass(frozen=True, slots=True)
+class DialLane:
+    """We dialed: open this session's same-host lane to the peer's handover socket, proving ``key``."""
+
+    key: bytes
+    info: PeerDataInfo
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectLane:
+    """The peer dialed us and wants a lane: let our handover socket accept one proving ``key`` for this session."""
+
+    key: bytes
+
+
+Action = Union[Send, AddDataPeer, RemoveDataPeer, PostRead, CancelReads, DialLane, ExpectLane]
 
 
 class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -184,6 +200,7 @@ class SessionContext:
     clock: Callable[[], float]
     config: SessionConfig = field(default_factory=SessionConfig)
     rounds: Rounds = field(default_factory=Rounds)
+    lanes: bool = False  # offer a same-host lane to the peers we dial (p2pworker.control.lane)
 
 
 @dataclass(eq=False)
@@ -258,6 +275,11 @@ class Session:
         self._fetch_open: Lease | None = None  # the lease whose Fetch parts are still arriving
         self._withdrawn: set[int] = set()  # rounds whose queued Fetch parts must not be sent (see _report)
         self._data_added = False
+        # Same-host lane (p2pworker.control.lane): the key we dial it with (we dialed), the key our peer dials it
+        # with (it dialed us), and whether the peer's LaneUp arrived (its messages then come on the lane).
+        self.lane_key = b""
+        self.peer_lane_key = b""
+        self.lane_in = False
         self.stuck = ""  # set when posted reads never settle: the worker must exit (see tick)
         self.quiet_close = False  # closed after answering a probe: the peer hangs up itself
         self.counters = {"late_offers": 0, "late_reads": 0, "stale_releases": 0, "stale_fetch_parts": 0,
@@ -271,6 +293,7 @@ class Session:
             m.Lookup: self._on_lookup,
             m.LookupResp: self._on_lookup_resp,
             m.Probe: self._on_probe,
+            m.LaneUp: self._on_lane_up,
             m.Bye: self._on_bye,
         }
 
@@ -284,7 +307,10 @@ class Session:
         if self.state is not State.IDLE:
             raise LocalProtocolError(f"start() in state {self.state.value}")
         self.state = State.HELLO_SENT
-        self._emit(m.Hello(m.PROTOCOL_VERSION, self.ctx.node_id, self.ctx.data_info, self.ctx.fingerprint))
+        if self.ctx.lanes:
+            self.lane_key = secrets.token_bytes(32)
+        self._emit(m.Hello(m.PROTOCOL_VERSION, self.ctx.node_id, self.ctx.data_info, self.ctx.fingerprint,
+                           self.lane_key))
         return self._take()
 
     def receive(self, frame: bytes) -> list[Action]:
@@ -332,7 +358,11 @@ class Session:
         self._data_added = True
         self.peer_info = info
         if ack is not None:
+            if self.peer_lane_key and self.ctx.lanes:
+                self._out.append(ExpectLane(self.peer_lane_key))  # before the ack: the peer dials it on the ack
             self._emit(ack)
+        elif self.lane_key and info.same_host is not None:
+            self._out.append(DialLane(self.lane_key, info))
         self.state = State.ACTIVE
         self.ctx.reporter.emit(SessionUp(peer_id))
         queued, self._queue = self._queue, []
@@ -357,6 +387,8 @@ class Session:
             self.peer_id = msg.peer_id
             self._close(f"handshake rejected: {reason}")
             return
+        if len(msg.lane) == 32:  # any other length: no lane (the session works without one)
+            self.peer_lane_key = msg.lane
         self._activate(msg.peer_id, msg.data,
                        m.HelloAck(m.PROTOCOL_VERSION, ctx.node_id, True, ctx.data_info, ctx.fingerprint))
 
@@ -383,6 +415,11 @@ class Session:
                                ctx.data_info.num_blocks, ctx.data_info.block_bytes))
         self.quiet_close = True
         self._close("probed", quiet=True)
+
+    def _on_lane_up(self, msg: m.LaneUp) -> None:
+        if self.lane_in:
+            raise RemoteProtocolError("a second lane_up in one session")
+        self.lane_in = True  # the worker reads the lane from now on: the peer's later messages are there, in order
 
     def _on_bye(self, msg: m.Bye) -> None:
         self._close(f"peer said bye: {msg.reason}" if msg.reason else "peer said bye")

@@ -38,6 +38,12 @@ def paths(host) -> set[tuple[str, str]]:
     return {(s["data_path"], s["data_path_why"]) for s in st["sessions"] if s["state"] == "active"}
 
 
+def lanes(host) -> list[str]:
+    """Where each active session's messages go: "up" (its same-host lane), "dialing" or "control link"."""
+    st = host.call(op="status")["status"]
+    return sorted(s["lane"] for s in st["sessions"] if s["state"] == "active")
+
+
 def move_and_check(hosts) -> None:
     assert not same_bytes(hosts, list(range(64)), list(range(256, 320))), "regions start equal: proves nothing"
     for n, req in ((4, "r-1m"), (64, "r-16m"), (256, "r-64m")):
@@ -70,9 +76,20 @@ def test_workers_on_one_host_copy_from_the_region_file_byte_exact(tmp_path):
         # links a producer only serves)
         (path, why), = paths(hosts.a)
         assert path == "undecided" and "first read" in why, (path, why)
+        # b dialed a: that session's messages moved to a lane, on both ends (the ZMQ link keeps the heartbeats)
+        assert lanes(hosts.b) == ["up"] and lanes(hosts.a) == ["up"], (lanes(hosts.a), lanes(hosts.b))
         load_back(hosts)
         assert ("same_host", "") in paths(hosts.a) and {p for p, _ in paths(hosts.a)} <= {"same_host", "undecided"}, \
             paths(hosts.a)
+        assert lanes(hosts.a) == ["up", "up"] and lanes(hosts.b) == ["up", "up"]  # a dialed b: a second lane
+
+
+def test_the_lane_turned_off_keeps_messages_on_the_control_link_with_the_same_bytes(tmp_path):
+    with two_hosts("shnolane", tmp_path, blocks=512, block_bytes=BLOCK, same_host=True,
+                   settings={"data": {"lane": False}}) as hosts:
+        move_and_check(hosts)
+        assert paths(hosts.b) == {("same_host", "")}
+        assert lanes(hosts.a) == lanes(hosts.b) == ["control link"]
 
 
 def test_same_host_turned_off_uses_nixl_with_the_same_bytes(tmp_path):
@@ -81,6 +98,7 @@ def test_same_host_turned_off_uses_nixl_with_the_same_bytes(tmp_path):
         move_and_check(hosts)
         (path, why), = paths(hosts.b)
         assert path == "nixl" and "turned off here" in why, (path, why)
+        assert lanes(hosts.a) == lanes(hosts.b) == ["control link"]  # no handover socket: no lane either
 
 
 def test_a_consumer_with_a_private_dev_shm_uses_nixl_even_with_a_file_at_the_producers_path(tmp_path):

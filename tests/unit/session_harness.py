@@ -275,5 +275,6 @@ def sample_messages() -> dict[type, m.Message]:
         m.LookupResp: m.LookupResp(1, [True]),
         m.Probe: m.Probe(m.PROTOCOL_VERSION),
         m.ProbeInfo: m.ProbeInfo(m.PROTOCOL_VERSION, "X", fp, "fake", 64, BLOCK),
+        m.LaneUp: m.LaneUp(),
         m.Bye: m.Bye("bye"),
     }

@@ -739,3 +739,53 @@ def test_release_parts_naming_unoffered_keys_or_outliving_the_lease(monkeypatch)
     assert p.sb.state is State.ACTIVE and p.sb.counters["stale_releases"] == 1
     stores = jobs(p.b.events())
     assert list(stores) == [1] and not stores[1].success
+
+
+# ---------------------------------------------------------------- same-host lane (p2pworker.control.lane)
+def _same_host_info(node: str):
+    from p2pworker.data.base import PeerDataInfo
+    from p2pworker.protocol.peer_info import SameHostInfo
+
+    return PeerDataInfo("fake", node, 0, 64, BLOCK,
+                        same_host=SameHostInfo("boot", "p2pworker-ho-0123456789abcdef", b"t" * 32, ()))
+
+
+def test_a_lane_is_asked_for_only_by_the_dialer_with_a_key_told_to_its_peer_alone():
+    import dataclasses
+
+    from p2pworker.session import DialLane, ExpectLane
+
+    p = Pair()
+    p.a.ctx.lanes = p.b.ctx.lanes = True
+    p.b.ctx.data_info = _same_host_info("B")
+    hello = p.sa.start()[0].msg
+    assert len(hello.lane) == 32 and hello.lane == p.sa.lane_key
+    acts = p.sb.receive(m.encode(hello))
+    # the acceptor's handover socket must expect the key before the peer can dial it (on the ack)
+    assert [type(a) for a in acts] == [AddDataPeer, ExpectLane, Send] and acts[1].key == hello.lane
+    assert p.sb.lane_key == b"" and p.sb.peer_lane_key == hello.lane  # it never dials a lane itself
+    acts = p.sa.receive(m.encode(acts[2].msg))
+    assert [type(a) for a in acts] == [AddDataPeer, DialLane] and acts[1].key == hello.lane
+
+    # an acceptor with lanes off expects none, and without its same-host info (another host, or it offers none)
+    # the dialer dials none
+    q = Pair()
+    q.a.ctx.lanes = True
+    acts = q.sb.receive(m.encode(q.sa.start()[0].msg))
+    assert [type(a) for a in acts] == [AddDataPeer, Send]
+    assert [type(a) for a in q.sa.receive(m.encode(acts[1].msg))] == [AddDataPeer]
+    assert q.sa.state is State.ACTIVE
+    # lanes off on the dialer: no key in its Hello
+    r = Pair()
+    assert r.sa.start()[0].msg.lane == b""
+    assert dataclasses.is_dataclass(DialLane) and dataclasses.is_dataclass(ExpectLane)
+
+
+def test_lane_up_switches_the_peer_stream_once():
+    p = Pair()
+    p.handshake()
+    assert not p.sa.lane_in
+    p.a.receive(m.encode(m.LaneUp()))
+    assert p.sa.lane_in and p.sa.state is State.ACTIVE
+    p.a.receive(m.encode(m.LaneUp()))
+    assert p.sa.state is State.CLOSED and "second lane_up" in p.sa.close_reason

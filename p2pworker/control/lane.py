@@ -1,0 +1,142 @@
+"""A session's same-host lane: its messages over a local ``SOCK_SEQPACKET`` connection instead of ZMQ.
+
+Why: on one host a ZMQ message wakes four threads (our I/O thread, the peer's I/O thread, then the peer's loop;
+the same back), and a Fetch/Offer round trip between two sleeping workers took 410-520 us here against 41 us
+over a local socket pair (issue 16's profile, README "Measured").  The lane is opened by the session that dialed
+the control link, to its peer's handover socket, once both ends proved the key that session sent in its Hello
+(:class:`p2pworker.data.handover.LaneDial`).  The control link stays: heartbeats, liveness, the handshake.
+
+Order: each direction switches once.  A worker whose lane is up sends ``LaneUp`` on the control link and every
+later message of that session on the lane; its peer reads the lane only after that ``LaneUp``, so a session sees
+one ordered stream from each peer, as before.
+
+Frames: a message may be larger than what one datagram carries (a socket's buffer bounds it), so each goes as
+datagrams of at most ``CHUNK_BYTES``, the first byte saying whether more follow.  What the socket cannot take now
+waits in an outbox (bounded: ``MAX_OUTBOX_BYTES``, past which the lane is broken, as a ZMQ link past its
+high-water mark), flushed on every loop turn.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import errno
+import socket
+
+from p2pworker.errors import P2PError
+
+CHUNK_BYTES = 64 << 10
+MORE, LAST = b"M", b"E"
+MAX_OUTBOX_BYTES = 256 << 20
+MAX_FRAME_BYTES = 4 << 20  # as the control link's default max_frame_bytes (the worker passes its setting)
+SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
+
+
+class LaneBroken(P2PError):
+    pass
+
+
+class LaneClosed(LaneBroken):
+    """The peer's end is gone: its worker closed the session's lane, or exited."""
+
+
+_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+
+
+def _broken(what: str, e: OSError) -> LaneBroken:
+    if e.errno in _GONE:
+        return LaneClosed(f"the peer closed its lane ({what}: {e.strerror})")
+    return LaneBroken(f"lane {what}: {type(e).__name__}: {e}")
+
+
+class LaneState(enum.Enum):
+    UP = "up"  # proven; our messages go on it once LaneUp went out on the control link
+    CLOSED = "closed"
+
+
+class Lane:
+    """One proven lane (either end).  ``reading``: the peer's LaneUp arrived, so its frames are read from here."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int | None = None) -> None:
+        self.max_frame_bytes = MAX_FRAME_BYTES if max_frame_bytes is None else max_frame_bytes
+        sock.setblocking(False)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass  # the default buffer works too: the outbox and the chunks absorb it
+        self.sock = sock
+        self.state = LaneState.UP
+        self.reading = False
+        self._out: collections.deque[bytes] = collections.deque()
+        self._out_bytes = 0
+        self._partial: list[bytes] = []
+        self._partial_bytes = 0
+        self.frames_out = self.frames_in = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    @property
+    def backlog(self) -> bool:
+        """Datagrams wait for room in the socket."""
+        return bool(self._out)
+
+    def send(self, frame: bytes) -> None:
+        if self.state is LaneState.CLOSED:
+            raise LaneBroken("the lane is closed")
+        n = len(frame)
+        if n > self.max_frame_bytes - 64:  # what the control link refuses too (the peer would drop it)
+            raise P2PError(f"control payload of {n} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        for i in range(0, max(n, 1), CHUNK_BYTES):
+            chunk = frame[i:i + CHUNK_BYTES]
+            self._out.append((MORE if i + CHUNK_BYTES < n else LAST) + chunk)
+            self._out_bytes += len(chunk) + 1
+        self.frames_out += 1
+        if self._out_bytes > MAX_OUTBOX_BYTES:
+            raise LaneBroken(f"the peer has not read {self._out_bytes} bytes of its lane")
+        self.flush()
+
+    def flush(self) -> None:
+        out, sock = self._out, self.sock
+        try:
+            while out:
+                sock.send(out[0])
+                self._out_bytes -= len(out.popleft())
+        except BlockingIOError:
+            return  # full: the rest goes on a later loop turn, in order
+        except OSError as e:
+            raise _broken("send", e) from e
+
+    def recv(self, max_frames: int = 256) -> list[bytes]:
+        """Whole frames the peer sent (at most ``max_frames``, so one busy lane cannot starve the loop); raises
+        :class:`LaneBroken` when the peer closed it or broke the framing."""
+        frames: list[bytes] = []
+        sock = self.sock
+        while len(frames) < max_frames:
+            try:
+                d = sock.recv(CHUNK_BYTES + 1)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                raise _broken("recv", e) from e
+            if not d:
+                raise LaneClosed("the peer closed its lane")
+            flag, body = d[:1], d[1:]
+            if flag not in (MORE, LAST):
+                raise LaneBroken("a lane datagram out of framing")
+            self._partial.append(body)
+            self._partial_bytes += len(body)
+            if self._partial_bytes > self.max_frame_bytes:
+                raise LaneBroken(f"a lane frame past {self.max_frame_bytes} bytes")
+            if flag == LAST:
+                frames.append(b"".join(self._partial))
+                self._partial, self._partial_bytes = [], 0
+        self.frames_in += len(frames)
+        return frames
+
+    def close(self) -> None:
+        if self.state is not LaneState.CLOSED:
+            self.state = LaneState.CLOSED
+            self.sock.close()
+            self._out.clear()

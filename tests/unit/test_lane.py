@@ -1,0 +1,266 @@
+"""A session's same-host lane (p2pworker/control/lane.py) and how it is opened (p2pworker/data/handover.py's lane
+mode): frames of any size arrive whole and in order, what the socket cannot take waits in a bounded outbox, and a
+lane exists only between the two ends of one session: the server accepts a lane only for a key one of its sessions
+was told, proves that key before the dialer proves it, and a dialer refuses a server that cannot.
+
+One process; the "peer" is a handover thread of this process, or a socket this test plays by hand."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+
+import pytest
+
+from p2pworker.control import lane as lane_mod
+from p2pworker.control.lane import CHUNK_BYTES, Lane, LaneBroken, LaneClosed
+from p2pworker.errors import P2PError
+from p2pworker.data import handover, samehost
+from p2pworker.data.handover import LaneDial, LaneRefused
+from p2pworker.shm import KVRegion
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def pair() -> tuple[Lane, Lane]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return Lane(a), Lane(b)
+
+
+def drain(lane: Lane, n: int, timeout_s: float = 5.0) -> list[bytes]:
+    got: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"{len(got)} of {n} frames"
+        select.select([lane.fileno()], [], [], 0.05)
+        got += lane.recv()
+    return got
+
+
+def test_frames_of_any_size_arrive_whole_and_in_order():
+    a, b = pair()
+    try:
+        frames = [b"", b"x", os.urandom(CHUNK_BYTES - 1), os.urandom(CHUNK_BYTES), os.urandom(CHUNK_BYTES + 1),
+                  os.urandom(3 * CHUNK_BYTES + 17), b"last"]
+        got: list[bytes] = []
+        for f in frames:  # read as we go: the default socket buffer need not hold them all
+            a.send(f)
+            while a.backlog:
+                got += b.recv()
+                a.flush()
+        got += drain(b, len(frames) - len(got))
+        assert got == frames
+        assert a.frames_out == len(frames) and b.frames_in == len(frames)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_what_the_socket_cannot_take_waits_in_order_and_goes_out_later():
+    a, b = pair()
+    try:
+        frames = [os.urandom(40_000 + i) for i in range(600)]  # 24 MB: more than the socket takes unread
+        for f in frames:
+            a.send(f)  # never blocks
+        assert a.backlog, "the test must fill the socket"
+        got: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(got) < len(frames):
+            assert time.monotonic() < deadline
+            got += b.recv()
+            a.flush()
+        assert got == frames and not a.backlog
+    finally:
+        a.close()
+        b.close()
+
+
+def test_frames_past_max_frame_bytes_are_refused_by_the_sender():
+    a, b = pair()
+    try:
+        a.send(os.urandom((4 << 20) - 100))
+        with pytest.raises(P2PError, match="exceeds max_frame_bytes"):
+            a.send(os.urandom(4 << 20))
+        assert a.state.value == "up"  # refused, not broken: the session decides (it closes, as for the link)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_stops_reading_breaks_the_lane_at_the_outbox_bound(monkeypatch):
+    monkeypatch.setattr(lane_mod, "MAX_OUTBOX_BYTES", 1 << 20)
+    a, b = pair()
+    try:
+        with pytest.raises(LaneBroken, match="has not read"):
+            for _ in range(10_000):
+                a.send(os.urandom(4096))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_closed_peer_or_a_datagram_out_of_framing_breaks_the_lane():
+    a, b = pair()
+    b.close()
+    with pytest.raises(LaneClosed, match="closed its lane"):  # the peer's end is gone: a lost peer
+        drain(a, 1)
+    a.close()
+    with pytest.raises(LaneBroken):
+        a.send(b"after close")
+
+    x, y = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lane = Lane(y)
+    x.send(b"Zgarbage")
+    with pytest.raises(LaneBroken, match="out of framing"):
+        drain(lane, 1)
+    lane.close()
+    x.close()
+
+    x, y = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lane = Lane(y, max_frame_bytes=100_000)
+    for _ in range(3):
+        x.send(b"M" + b"z" * 40_000)  # never a last chunk: the frame grows past the bound
+    with pytest.raises(LaneBroken, match="past 100000 bytes"):
+        drain(lane, 1)
+    lane.close()
+    x.close()
+
+
+# ---------------------------------------------------------------- opening a lane through the handover socket
+@pytest.fixture
+def server(shm_prefix):
+    with KVRegion.create(shm_prefix + "lane", 8, 4096) as region:
+        srv = samehost.serve(region)
+        yield srv
+        srv.close()
+
+
+def dial(srv: handover.HandoverServer, key: bytes, token: bytes | None = None, timeout_s: float = 2.0) -> LaneDial:
+    """A dial driven to its end: returns the proven dial, or raises LaneRefused."""
+    d = LaneDial(srv.name, srv.token if token is None else token, key, time.monotonic() + timeout_s)
+    try:
+        while True:
+            assert time.monotonic() < d.deadline, "no answer"
+            select.select([d.fileno()], [], [], 0.05)
+            if d.step():
+                return d
+    except BaseException:
+        d.close()
+        raise
+
+
+def taken(srv: handover.HandoverServer, timeout_s: float = 2.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        select.select([srv.wake_fd], [], [], 0.05)
+        got = srv.take_lanes()
+        if got:
+            return got
+    return []
+
+
+def test_a_session_key_the_server_expects_opens_a_lane_both_ends_can_talk_over(server):
+    key = secrets.token_bytes(handover.LANE_KEY_BYTES)
+    server.expect_lane(key, "in-7")
+    d = dial(server, key)
+    (link, got_key, sock), = taken(server)
+    assert (link, got_key) == ("in-7", key)
+    ours, theirs = Lane(d.sock), Lane(sock)
+    try:
+        ours.send(b"fetch")
+        theirs.send(b"offer")
+        assert drain(theirs, 1) == [b"fetch"] and drain(ours, 1) == [b"offer"]
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_no_lane_for_a_key_no_session_of_the_server_was_told(server):
+    server.expect_lane(secrets.token_bytes(32), "in-1")
+    with pytest.raises(LaneRefused, match="no session there expects our key"):
+        dial(server, secrets.token_bytes(32))
+    key = secrets.token_bytes(32)
+    server.expect_lane(key, "in-2")
+    server.forget_lane(key)  # its session ended
+    with pytest.raises(LaneRefused, match="no session there expects our key"):
+        dial(server, key)
+    with pytest.raises(LaneRefused):
+        dial(server, key, token=secrets.token_bytes(handover.TOKEN_BYTES))  # the handover token is checked first
+    assert taken(server, timeout_s=0.3) == []
+
+
+def test_a_dialer_that_cannot_prove_the_key_gets_no_lane(server):
+    """A local process that learned a lane's id (never its key) and the handover token: its proof fails, the server
+    closes, and the session on that link gets nothing."""
+    key = secrets.token_bytes(32)
+    server.expect_lane(key, "in-3")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.settimeout(2)
+        s.connect("\0" + server.name)
+        nonce = os.urandom(handover.NONCE_BYTES)
+        s.send(handover.MAGIC + handover.MODE_LANE + server.token + handover.lane_id(key) + nonce)
+        proof = s.recv(100)
+        assert proof[:1] == handover.SERVER_PROOF  # the server proves first (it knows the key)
+        s.send(handover.CLIENT_PROOF + os.urandom(handover.MAC_BYTES))
+        assert s.recv(100) == b""  # closed
+    finally:
+        s.close()
+    assert taken(server, timeout_s=0.3) == []
+
+
+def test_a_dialer_refuses_a_server_that_does_not_know_the_key_and_tells_it_nothing():
+    """Whoever binds the handover name in the producer's place (it exited, say) cannot prove the session's key: the
+    dialer refuses it before sending its own proof, so there is nothing to replay."""
+    name = handover.NAME_PREFIX + secrets.token_hex(8)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    seen: list[bytes] = []
+
+    def impostor():
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(2)
+            seen.append(conn.recv(200))
+            conn.send(handover.SERVER_PROOF + os.urandom(handover.NONCE_BYTES + handover.MAC_BYTES))
+            try:
+                seen.append(conn.recv(200))  # b"" (closed), never a proof
+            except OSError:
+                seen.append(b"")
+
+    t = threading.Thread(target=impostor)
+    t.start()
+    key = secrets.token_bytes(32)
+    d = LaneDial(name, secrets.token_bytes(handover.TOKEN_BYTES), key, time.monotonic() + 2)
+    with pytest.raises(LaneRefused, match="failed the session proof"):
+        while True:
+            select.select([d.fileno()], [], [], 0.05)
+            if d.step():
+                break
+    d.close()
+    t.join(5)
+    listener.close()
+    assert seen[0].endswith(handover.lane_id(key) + seen[0][-handover.NONCE_BYTES:])
+    assert key not in seen[0] and seen[1] == b"", seen
+
+
+def test_lanes_never_taken_are_closed_with_the_server(shm_prefix):
+    with KVRegion.create(shm_prefix + "lane2", 8, 4096) as region:
+        srv = samehost.serve(region)
+        key = secrets.token_bytes(32)
+        srv.expect_lane(key, "in-9")
+        d = dial(srv, key)
+        deadline = time.monotonic() + 2
+        while not srv.lanes_waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        srv.close()
+        lane = Lane(d.sock)
+        with pytest.raises(LaneBroken, match="closed its lane"):
+            drain(lane, 1)
+        lane.close()
