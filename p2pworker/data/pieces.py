@@ -41,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from p2pworker.data import samehost
-from p2pworker.data.base import DataTransport, PeerDataInfo, TransferStats, XferState, check_rows, coalesce, split_runs
+from p2pworker.data.base import DataTransport, PeerDataInfo, TransferStats, XferState, rows_to_runs, split_runs
 from p2pworker.errors import PeerUnusable, TransferFailed
 from p2pworker.shm.region import KVRegion
 
@@ -286,15 +286,15 @@ class PieceTransport(DataTransport):
         peer = self._peers.get(peer_key)
         if peer is None:
             raise TransferFailed(f"unknown data peer {peer_key!r}")
-        lr, rr = check_rows(local_rows, remote_rows, self._region.num_blocks, peer.num_blocks)
+        runs, n_rows = rows_to_runs(local_rows, remote_rows, self._region.num_blocks, peer.num_blocks)
         if peer.remote.path is RemotePath.UNDECIDED:
             self._resolve(peer.remote, at_read=True)  # raises PeerUnusable: the caller closes the session
         elif peer.remote.path is RemotePath.UNUSABLE:
             raise PeerUnusable(peer.remote.refusal)
-        pieces = deque(split_runs(coalesce(lr, rr), self._bb, self.max_piece_bytes))
+        pieces = deque(split_runs(runs, self._bb, self.max_piece_bytes))
         tid = self._next_id
         self._next_id += 1
-        self._transfers[tid] = Transfer(tid, peer, pieces, lr.size * self._bb, t_submit=self._clock())
+        self._transfers[tid] = Transfer(tid, peer, pieces, n_rows * self._bb, t_submit=self._clock())
         peer.transfers.add(tid)
         self.stats.submitted += 1
         self.stats.last_descriptors = sum(len(p) for p in pieces)

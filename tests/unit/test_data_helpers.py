@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pworker.data.base import XferState, check_rows, coalesce, split_runs
+from p2pworker.data.base import SMALL_ROWS, XferState, check_rows, coalesce, rows_to_runs, split_runs
 from p2pworker.errors import FingerprintMismatch, TransferFailed
 from p2pworker.fingerprint import Fingerprint
 
@@ -50,6 +50,36 @@ def test_check_rows_rejects_bad_mappings():
         check_rows([4], [0], 4, 4)
     with pytest.raises(TransferFailed, match="peer's 0..3"):
         check_rows([0], [-1], 4, 4)
+
+
+def _numpy_way(lr, rr, lb, rb):
+    try:
+        a, b = check_rows(np.array(lr, dtype=np.int64), np.array(rr, dtype=np.int64), lb, rb)
+    except TransferFailed as e:
+        return str(e)
+    return coalesce(a, b).tolist(), int(a.size)
+
+
+@given(st.lists(st.tuples(st.integers(-1, 64), st.integers(-1, 64), st.integers(1, 6), st.booleans()), max_size=20),
+       st.integers(0, 3), st.sampled_from([4, 64, 70]), st.sampled_from([4, 64, 70]))
+def test_row_lists_take_the_plain_python_way_to_the_same_runs_and_refusals(stretches, extra, lb, rb):
+    """rows_to_runs on lists (<= SMALL_ROWS rows, plain Python) gives what check_rows + coalesce give on arrays:
+    the same runs, the same count, the same refusal text.  Rows come as stretches contiguous on the local side and,
+    or not, on the remote side."""
+    lr, rr = [], []
+    for l0, r0, n, both in stretches:
+        lr += range(l0, l0 + n)
+        rr += range(r0, r0 + n) if both else [r0 + 2 * i for i in range(n)]
+    rr += [1] * (extra if extra == 3 else 0)  # sometimes a length mismatch
+    try:
+        runs, n = rows_to_runs(lr, rr, lb, rb)
+        got = (runs.tolist(), n)
+    except TransferFailed as e:
+        got = str(e)
+    assert got == _numpy_way(lr, rr, lb, rb)
+    # past SMALL_ROWS (and for arrays) the numpy way itself runs
+    big = list(range(SMALL_ROWS + 1))
+    assert rows_to_runs(big, big, SMALL_ROWS + 1, SMALL_ROWS + 1)[0].tolist() == [[0, 0, SMALL_ROWS + 1]]
 
 
 def test_nixl_states_map_to_the_enum_and_unknown_is_err():
