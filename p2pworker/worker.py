@@ -40,7 +40,7 @@ from p2pworker.control import ControlTransport, LinkDown, LinkState, LinkUp, Rec
 from p2pworker.control.lane import Lane, LaneBroken, LaneClosed
 from p2pworker.data import DataTransport, make_data_transport
 from p2pworker.data.handover import TIMEOUT_S as LANE_TIMEOUT_S
-from p2pworker.data.handover import LaneDial, LaneRefused
+from p2pworker.data.handover import LANE_TAKEN, LaneDial, LaneRefused, lane_ids
 from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, PeerUnusable, TransferFailed
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol.messages import PROTOCOL_VERSION, LaneUp, encode
@@ -168,12 +168,14 @@ class Worker:
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
         self._poll_epoch: tuple | None = None  # the (control sockets_epoch, lane epoch) the poller was built for
-        # Same-host lanes (p2pworker.control.lane), by control link: up (our messages go there: LaneUp went out on
-        # the link), being dialed (until handover.TIMEOUT_S), and links whose peer said LaneUp before its lane
-        # reached us (it must within handover.TIMEOUT_S: its messages wait there).
+        # Same-host lanes (p2pworker.control.lane), by control link, each with the session it belongs to:
+        # - _lanes: ours is switched (LaneUp went out on the link: every message of the session goes on the lane);
+        # - _dials: we dialed, the acceptor has not taken it yet (until handover.TIMEOUT_S);
+        # - _offered: we accepted and took it ("K" sent), the dialer has not said LaneUp yet (until 2 x TIMEOUT_S);
+        #   we switch only after the dialer did, so a dialer that gave up never leaves us sending into a lane.
         self._lanes: dict[str, tuple[Session, Lane]] = {}
         self._dials: dict[str, tuple[Session, LaneDial]] = {}
-        self._lane_awaited: dict[str, float] = {}
+        self._offered: dict[str, tuple[Session, Lane, float]] = {}
         self._lane_epoch = 0
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.identity: dict = {}  # the adapter's KV identity (model, dtype, ...) from AttachRegion; metric labels
@@ -268,8 +270,9 @@ class Worker:
         self._flush_events()
         self.admin.serve()
         # pending events, or one that spans slots and is partly out: the adapter frees slots as it polls
-        return did or self._needs_polling() or bool(self.pending) or self.evt.pending_bytes > 0 or \
-            any(lane.backlog for _, lane in self._lanes.values())
+        # Events the full event ring could not take yet are not "busy": _sleep waits for the adapter to free a slot
+        # (the ring's space bell), instead of polling every busy_poll_s while an adapter is slow to read.
+        return did or self._needs_polling() or any(lane.backlog for _, lane in self._lanes.values())
 
     # ------------------------------------------------------------ same-host lanes
     def _poll_lanes(self) -> bool:
@@ -278,6 +281,8 @@ class Worker:
             try:
                 if not dial.step():
                     continue
+                if self.clock() >= dial.deadline:  # taken too late: the acceptor may have given up on it already
+                    raise LaneRefused(f"{dial.name} took the lane after {LANE_TIMEOUT_S:g} s")
             except LaneRefused as e:
                 log.info("no same-host lane to %s: %s", s.peer_id or link, e)
                 self._drop_dial(link)
@@ -286,7 +291,7 @@ class Worker:
             del self._dials[link]
             self._lane_epoch += 1
             if self.sessions.get(link) is s and s.state is State.ACTIVE:
-                self._lane_up(link, s, dial.sock, dial.key)
+                self._lane_up(link, s, Lane(dial.sock, self.cfg.control.max_frame_bytes))
             else:
                 dial.close()
         for link, (s, lane) in list(self._lanes.items()):
@@ -307,12 +312,11 @@ class Worker:
                 did = True
                 if self.sessions.get(link) is not s:
                     break
-                self._on_control(Received(link, frame))
+                self._on_control(Received(link, frame), lane=True)
         return did
 
-    def _lane_up(self, link: str, s: Session, sock, key: bytes) -> None:
-        """A proven lane for ``s``: say LaneUp on the control link, then send the session's messages on the lane."""
-        lane = Lane(sock, self.cfg.control.max_frame_bytes)
+    def _lane_up(self, link: str, s: Session, lane: Lane) -> None:
+        """Switch ``s``'s messages to ``lane``: LaneUp on the control link first, then only the lane."""
         try:
             self.ctl.send(link, encode(LaneUp()))
         except P2PError as e:
@@ -323,40 +327,50 @@ class Worker:
         self._lane_epoch += 1
         self.counters["lanes_up"] += 1
         if s.lane_in:
-            self._lane_read(link, s)
+            lane.reading = True
 
     def _lane_read(self, link: str, s: Session) -> None:
-        """The peer's LaneUp arrived: its later messages are on the lane."""
+        """The peer's LaneUp arrived: its later messages are on the lane.  The acceptor switches now too."""
         got = self._lanes.get(link)
         if got is not None and got[0] is s:
-            self._lane_awaited.pop(link, None)
             if not got[1].reading:
                 got[1].reading = True
                 self._lane_epoch += 1
-        elif link not in self._lane_awaited:
-            # It proved our key to our handover thread before it said so: the lane is on its way to this loop.
-            self._lane_awaited[link] = self.clock() + LANE_TIMEOUT_S
+            return
+        offered = self._offered.get(link)
+        if offered is not None and offered[0] is s:
+            del self._offered[link]
+            offered[1].reading = True
+            self._lane_up(link, s, offered[1])
+            return
+        # the peer moved its messages to a lane we do not hold (we closed it: taken too late): they would be lost
+        self._run(link, s, s.close("the peer moved to a same-host lane we do not hold", bye=True))
 
     def _take_lanes(self, server) -> None:
+        """Lanes dialers proved to our handover thread: tell each dialer we took it; we switch on its LaneUp."""
         for link, key, sock in server.take_lanes():
             s = self.sessions.get(link)
-            if s is None or s.state is not State.ACTIVE or s.peer_lane_key != key or link in self._lanes:
-                sock.close()  # its session is gone (or has one): the dialer sees the close and ends its own
+            if s is None or s.state is not State.ACTIVE or s.peer_lane_key != key or link in self._lanes \
+                    or link in self._offered:
+                sock.close()  # its session is gone (or has one): the dialer sees the close and keeps to the link
                 continue
-            self._lane_up(link, s, sock, key)
+            try:
+                sock.send(LANE_TAKEN)
+            except OSError:
+                sock.close()
+                continue
+            self._offered[link] = (s, Lane(sock, self.cfg.control.max_frame_bytes),
+                                   self.clock() + 2 * LANE_TIMEOUT_S)
 
     def _lane_deadlines(self, now: float) -> None:
         for link, (s, dial) in list(self._dials.items()):
             if now >= dial.deadline:
-                log.info("no same-host lane to %s: no proof within %g s", s.peer_id or link, LANE_TIMEOUT_S)
+                log.info("no same-host lane to %s: not taken within %g s", s.peer_id or link, LANE_TIMEOUT_S)
                 self._drop_dial(link)
-        for link, by in list(self._lane_awaited.items()):
-            s = self.sessions.get(link)
-            if s is None:
-                del self._lane_awaited[link]
-            elif now >= by:
-                del self._lane_awaited[link]
-                self._run(link, s, s.close("the peer moved to a same-host lane that never reached us", bye=True))
+        for link, (s, lane, by) in list(self._offered.items()):
+            if now >= by:  # the dialer gave up before it switched (it logged why): nothing was sent on it
+                del self._offered[link]
+                lane.close()
 
     def _drop_dial(self, link: str) -> None:
         _, dial = self._dials.pop(link)
@@ -364,18 +378,25 @@ class Worker:
         self._lane_epoch += 1
 
     def _drop_lane(self, s: Session) -> None:
-        """Everything lane of ``s`` (closed or superseded)."""
+        """Everything lane of ``s`` (closed or superseded).  What its lane holds still goes out first (a Bye just
+        sent, a last Release), as far as the socket takes it now."""
         link = s.link
         got = self._lanes.get(link)
         if got is not None and got[0] is s:
             del self._lanes[link]
+            try:
+                got[1].flush()
+            except LaneBroken:
+                pass
             got[1].close()
             self._lane_epoch += 1
         dial = self._dials.get(link)
         if dial is not None and dial[0] is s:
             self._drop_dial(link)
-        if self.sessions.get(link) is s or link not in self.sessions:
-            self._lane_awaited.pop(link, None)
+        offered = self._offered.get(link)
+        if offered is not None and offered[0] is s:
+            del self._offered[link]
+            offered[1].close()
         server = self.data.lane_server() if self.data is not None else None
         if server is not None and s.peer_lane_key:
             server.forget_lane(s.peer_lane_key)
@@ -449,13 +470,19 @@ class Worker:
             self._poller = zmq.Poller()
             server = self.data.lane_server() if self.data is not None else None
             lanes = [lane.fileno() for _, lane in self._lanes.values() if lane.reading]
-            for sock in (self.cmd.fileno(), self.admin.socket, *(self.ctl.sockets() if self.ctl is not None else ()),
+            for sock in (self.cmd.fileno(), self.evt.fileno(), self.admin.socket,
+                         *(self.ctl.sockets() if self.ctl is not None else ()),
                          *([server.wake_fd] if server is not None else ()), *lanes,
                          *(dial.fileno() for _, dial in self._dials.values())):
                 self._poller.register(sock, zmq.POLLIN)
             self._poll_epoch = epoch
         if self.cmd.arm():
             return
+        # Events wait for room in the event ring: the adapter rings our space bell when it takes one (armed here).
+        room_wanted = bool(self.pending) or self.evt.pending_bytes > 0
+        if room_wanted and self.evt.arm():
+            self.cmd.disarm()
+            return  # room already: flush now
         try:
             if 0 < timeout_s < 0.001 and not self._poller.poll(0):
                 # below zmq_poll's millisecond: nothing to read now, so a plain sleep (a passive NIXL target over
@@ -465,6 +492,8 @@ class Worker:
                 self._poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
         finally:
             self.cmd.disarm()
+            if room_wanted:
+                self.evt.disarm()
 
     # ------------------------------------------------------------ commands
     def _take_commands(self) -> bool:
@@ -761,7 +790,8 @@ class Worker:
                     target = self.data.lane_target(info) if link is not None else None
                     if target is not None and link not in self._dials and link not in self._lanes:
                         try:
-                            dial = LaneDial(*target, key, self.clock() + LANE_TIMEOUT_S)
+                            dial = LaneDial(*target, key, lane_ids(self.ctx.node_id, s.peer_id),
+                                            self.clock() + LANE_TIMEOUT_S)
                         except LaneRefused as e:
                             log.info("no same-host lane to %s: %s", s.peer_id or link, e)
                         else:
@@ -769,8 +799,10 @@ class Worker:
                             self._lane_epoch += 1
                 case ExpectLane(key=key):
                     server = self.data.lane_server()
-                    if server is not None and link is not None:
-                        server.expect_lane(key, link)
+                    # only a dialer on our host (same boot, our network namespace): nobody else can dial it here
+                    if server is not None and link is not None and s.peer_info is not None and \
+                            self.data.lane_target(s.peer_info) is not None:
+                        server.expect_lane(key, lane_ids(s.peer_id, self.ctx.node_id), link)
                 case PostRead(read_id=rid, local_rows=local, remote_rows=remote):
                     try:
                         tid = self.data.read_blocks(s.link, local, remote)
@@ -827,12 +859,12 @@ class Worker:
         elif s not in self._settling:
             self._settling.append(s)
 
-    def _on_control(self, ev) -> None:
+    def _on_control(self, ev, *, lane: bool = False) -> None:
         if isinstance(ev, Received):
             s = self.sessions.get(ev.link)
             if s is None:
                 return
-            actions = s.receive(ev.payload)
+            actions = s.receive(ev.payload, lane=lane)
             if s.state is State.CLOSED and s.counters["protocol_errors"]:
                 self.counters["protocol_errors"] += 1
                 log.warning("peer %s: %s; session closed", s.peer_id or ev.link, s.close_reason)
@@ -938,16 +970,15 @@ class Worker:
                     # A consumer may still be reading those rows (a read goes by pid, not by registration):
                     # their store jobs are failed by the adapter once this process is gone, not by us now.
                     log.info("%d leased request(s) stay unreported until this process exits", held)
-            for link, (sess, lane) in list(self._lanes.items()):
-                try:
-                    lane.flush()  # the Byes above, when the peer's socket has room
-                except LaneBroken:
-                    pass
+            for _, lane in self._lanes.values():  # sessions above were retired with theirs: none expected here
                 lane.close()
             for _, dial in self._dials.values():
                 dial.close()
+            for _, lane, _ in self._offered.values():
+                lane.close()
             self._lanes.clear()
             self._dials.clear()
+            self._offered.clear()
             if self.ctl is not None:
                 self.ctl.close()
             deadline = self.clock() + 2.0

@@ -27,7 +27,7 @@ from p2pworker.errors import P2PError
 
 CHUNK_BYTES = 64 << 10
 MORE, LAST = b"M", b"E"
-MAX_OUTBOX_BYTES = 256 << 20
+MAX_OUTBOX_BYTES = 32 << 20  # 8 frames of the largest size; a 65,536-key Fetch is ~4 MB
 MAX_FRAME_BYTES = 4 << 20  # as the control link's default max_frame_bytes (the worker passes its setting)
 SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
 
@@ -72,6 +72,7 @@ class Lane:
         self._out_bytes = 0
         self._partial: list[bytes] = []
         self._partial_bytes = 0
+        self._then: LaneBroken | None = None  # what ended the lane after the frames recv() returned last
         self.frames_out = self.frames_in = 0
 
     def fileno(self) -> int:
@@ -111,6 +112,8 @@ class Lane:
     def recv(self, max_frames: int = 256) -> list[bytes]:
         """Whole frames the peer sent (at most ``max_frames``, so one busy lane cannot starve the loop); raises
         :class:`LaneBroken` when the peer closed it or broke the framing."""
+        if self._then is not None:
+            raise self._then
         frames: list[bytes] = []
         sock = self.sock
         while len(frames) < max_frames:
@@ -119,9 +122,14 @@ class Lane:
             except BlockingIOError:
                 break
             except OSError as e:
-                raise _broken("recv", e) from e
-            if not d:
-                raise LaneClosed("the peer closed its lane")
+                end = _broken("recv", e)
+            else:
+                end = None if d else LaneClosed("the peer closed its lane")
+            if end is not None:
+                if frames:  # e.g. a Bye, then the close: the session sees the Bye (and its reason) first
+                    self._then = end
+                    break
+                raise end
             flag, body = d[:1], d[1:]
             if flag not in (MORE, LAST):
                 raise LaneBroken("a lane datagram out of framing")

@@ -9,7 +9,8 @@ came over (the one that called ``listen()``: ``SO_PEERCRED``, translated into ou
 process is not visible here; ``SO_PEERPIDFD``).  The producer names the socket and its network namespace in its
 Hello, so in the consumer's namespace that name is the producer's own (an abstract name is bound once per
 namespace).  Left open: a token holder could bind the name in the short window after the producer's worker closed
-its handover socket at shutdown (a per-session token and a proof from the server would close it).
+its handover socket at shutdown (a per-session token and a proof from the server would close it; lanes have that
+proof).
 
 Wire: ``SOCK_SEQPACKET``, one connection per handover, answered one at a time by the producer's handover thread::
 
@@ -27,6 +28,10 @@ Wire: ``SOCK_SEQPACKET``, one connection per handover, answered one at a time by
       sender waits): it lived while the pidfd
       was opened, so the pid was not reused;
       then the ack                         ─────►   close
+
+Lane mode (MODE_LANE, no files): a session that dialed us proves the key it sent in its Hello, we prove it first,
+and the proven connection goes to the worker's loop as that session's lane (:class:`LaneDial` has the wire;
+p2pworker.control.lane what is sent over it).
 
 The thread is the worker's only long-lived thread besides the copy pool: it reads no session state; it opens our
 own region's files read-only (by path, checked to be the very files we map), hands them over and closes them.  It
@@ -70,8 +75,9 @@ LANE_KEY_BYTES = 32  # chosen by the dialing session, told to its peer only in i
 LANE_ID_BYTES = NONCE_BYTES = 16
 LANE_HELLO_BYTES = HELLO_BYTES + LANE_ID_BYTES + NONCE_BYTES
 MAC_BYTES = 32
-SERVER_PROOF = b"S"  # + server nonce + HMAC(key, "server" + client nonce + server nonce)
-CLIENT_PROOF = b"C"  # + HMAC(key, "client" + server nonce + client nonce)
+SERVER_PROOF = b"S"  # + server nonce + HMAC(key, "server" | ids | client nonce + server nonce)
+CLIENT_PROOF = b"C"  # + HMAC(key, "client" | ids | server nonce + client nonce)
+LANE_TAKEN = b"K"  # the acceptor's loop took the lane for the session: the dialer may move its messages there
 NAME_PREFIX = "p2pworker-ho-"
 NAME_RE = re.compile(re.escape(NAME_PREFIX) + "[0-9a-f]{16}")  # what a peer may name (HandoverServer.name)
 # The kernel takes at most SCM_MAX_FD (253) descriptors in one message; a region may have more segment files.
@@ -140,8 +146,14 @@ def lane_id(key: bytes) -> bytes:
     return hashlib.sha256(b"p2pw-lane-id|" + key).digest()[:LANE_ID_BYTES]
 
 
-def lane_mac(key: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(key, b"p2pw-lane|" + side + b"|" + first + second, hashlib.sha256).digest()
+def lane_ids(dialer: str, acceptor: str) -> bytes:
+    """Whom a lane joins, as each end's session names them (node ids): part of both proofs, so a peer that passed
+    a session's key on to a third worker cannot have that worker's session joined to ours."""
+    return f"{dialer}|{acceptor}".encode()
+
+
+def lane_mac(key: bytes, side: bytes, ids: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, b"p2pw-lane|" + side + b"|" + ids + b"|" + first + second, hashlib.sha256).digest()
 
 
 class _Stage(enum.Enum):
@@ -162,7 +174,8 @@ class _Conn:
     deadline: float
     stage: _Stage = _Stage.HELLO
     key: bytes = b""  # lane: the session key both ends proved
-    link: str = ""  # lane: the control link of the session it belongs to
+    ids: bytes = b""  # lane: lane_ids() of the session it belongs to
+    link: str = ""  # lane: the control link of that session
     nonces: bytes = b""  # lane: client nonce + server nonce
 
 
@@ -190,7 +203,7 @@ class HandoverServer:
         # link)); proven lanes wait in _ready for it, and a byte on the wake pipe tells its poll.  One lock: the
         # loop and this thread both touch them.
         self._lock = threading.Lock()
-        self._expected: dict[bytes, tuple[bytes, str]] = {}
+        self._expected: dict[bytes, tuple[bytes, bytes, str]] = {}  # lane id -> (key, lane_ids, link)
         self._ready: list[tuple[str, bytes, socket.socket]] = []
         self._wake_r = self._wake_w = -1
         self._listen_again_at: float | None = None  # accept failed (EMFILE ...): the listener is not polled until
@@ -286,7 +299,7 @@ class HandoverServer:
             return _Next.CLOSE  # the ack, or the consumer's close: either way it is done with us
         if c.stage is _Stage.LANE:
             proof = c.sock.recv(1 + MAC_BYTES + 1)
-            want = CLIENT_PROOF + lane_mac(c.key, b"client", c.nonces[NONCE_BYTES:], c.nonces[:NONCE_BYTES])
+            want = CLIENT_PROOF + lane_mac(c.key, b"client", c.ids, c.nonces[NONCE_BYTES:], c.nonces[:NONCE_BYTES])
             return _Next.HANDED if hmac.compare_digest(proof, want) else _Next.CLOSE
         hello = c.sock.recv(LANE_HELLO_BYTES + 1)  # sent right after connect, in one datagram
         mode, token = hello[len(MAGIC):len(MAGIC) + 1], hello[len(MAGIC) + 1:HELLO_BYTES]
@@ -300,12 +313,12 @@ class HandoverServer:
                 expected = self._expected.get(lid)
             if expected is None:
                 return _Next.CLOSE  # no session of ours told us this key: the dialer keeps to its control link
-            c.key, c.link = expected
+            c.key, c.ids, c.link = expected
             nonce_s = secrets.token_bytes(NONCE_BYTES)
             c.nonces = nonce_c + nonce_s
             # We prove the key first: the dialer sends its own proof only to whoever knows it (so a process that
             # bound this name in our place learns nothing it could replay).
-            c.sock.send(SERVER_PROOF + nonce_s + lane_mac(c.key, b"server", nonce_c, nonce_s))
+            c.sock.send(SERVER_PROOF + nonce_s + lane_mac(c.key, b"server", c.ids, nonce_c, nonce_s))
             c.stage = _Stage.LANE
             return _Next.KEEP
         fds = _open_checked(self.paths, self.ids)
@@ -327,21 +340,22 @@ class HandoverServer:
     def _hand_lane(self, poller: select.poll, fd: int) -> None:
         c = self._conns.pop(fd)
         poller.unregister(fd)
-        with self._lock:
+        with self._lock:  # the list and the wake byte change together: the pipe is readable iff lanes wait
             if self._closed:
                 c.sock.close()
                 return
             self._ready.append((c.link, c.key, c.sock))
-        try:
-            os.write(self._wake_w, b"L")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already: the loop is woken
+            try:
+                os.write(self._wake_w, b"L")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already: the loop is woken
 
     # ------------------------------------------------------------ lanes (called from the worker's loop)
-    def expect_lane(self, key: bytes, link: str) -> None:
-        """Accept a lane proving ``key`` (a session's, from its peer's Hello) for the session on ``link``."""
+    def expect_lane(self, key: bytes, ids: bytes, link: str) -> None:
+        """Accept a lane proving ``key`` (a session's, from its peer's Hello) and ``ids`` (:func:`lane_ids`) for the
+        session on ``link``."""
         with self._lock:
-            self._expected[lane_id(key)] = (key, link)
+            self._expected[lane_id(key)] = (key, ids, link)
 
     def forget_lane(self, key: bytes) -> None:
         with self._lock:
@@ -357,13 +371,14 @@ class HandoverServer:
         return bool(self._ready)  # a list's truth under the GIL: a stale answer only defers to the next turn
 
     def take_lanes(self) -> list[tuple[str, bytes, socket.socket]]:
-        """Proven lanes: (the session's link, the key it proved, the socket); the caller owns the sockets."""
-        try:
-            while os.read(self._wake_r, 4096):
+        """Proven lanes: (the session's link, the key it proved, the socket); the caller owns the sockets and tells
+        the dialer it took one (:data:`LANE_TAKEN`) or closes it."""
+        with self._lock:  # with _hand_lane's write under the same lock: no wake byte is left for an empty list
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
-        with self._lock:
             out, self._ready = self._ready, []
         return out
 
@@ -504,51 +519,67 @@ class LaneDial:
 
     Wire (``SOCK_SEQPACKET`` to the peer's handover socket)::
 
-        MAGIC + "L" + token + lane_id(key) + client nonce   ─────►  the session on that link told it the key?
+        MAGIC + "L" + token + lane_id(key) + client nonce   ─────►  did a session of ours get this key?
                                                                       no: close
-        verify; wrong: refuse (not our peer)     ◄─────  "S" + server nonce + HMAC(key, server | nonces)
-        "C" + HMAC(key, client | nonces)         ─────►  verify; wrong: close; right: the socket is that
-                                                          session's lane (the worker's loop takes it)
+        verify; wrong: refuse (not our peer)     ◄─────  "S" + server nonce + HMAC(key, server | ids | nonces)
+        "C" + HMAC(key, client | ids | nonces)   ─────►  verify; wrong: close; right: to the worker's loop,
+                                                          which checks the session is still there
+        commit: LaneUp on the control link,      ◄─────  "K" (taken; its LaneUp goes out on the control link),
+          then every message on the lane                  or close (no lane: the session stays on the link)
+
+    ``ids`` (:func:`lane_ids`): both ends' node ids as this session knows them; the acceptor checks them against
+    its own session's.
     """
 
-    def __init__(self, name: str, token: bytes, key: bytes, deadline: float) -> None:
+    def __init__(self, name: str, token: bytes, key: bytes, ids: bytes, deadline: float) -> None:
         self.name = name
         self.key = key
+        self.ids = ids
         self.deadline = deadline
+        self.proved = False  # our proof went out: waiting for LANE_TAKEN
         self._nonce = secrets.token_bytes(NONCE_BYTES)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        self.sock: socket.socket | None = None
         try:
+            self.sock = socket.socket(socket.AF_UNIX,
+                                      socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
             # An abstract local socket: connect completes at once, or fails (EAGAIN: its backlog is full).
             self.sock.connect("\0" + name)
             self.sock.send(MAGIC + MODE_LANE + token + lane_id(key) + self._nonce)
-        except OSError as e:
-            self.sock.close()
+        except OSError as e:  # EMFILE included: no lane, never an error for the session
+            if self.sock is not None:
+                self.sock.close()
             raise LaneRefused(f"{name}: {type(e).__name__}: {e}") from e
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def step(self) -> bool:
-        """The socket was readable: True once the server proved the key and our proof went out (``sock`` is then
-        the lane); raises :class:`LaneRefused`."""
+        """The socket was readable: True once the acceptor's loop took the lane (``sock`` is then the lane, nothing
+        of the lane's framing read from it yet); raises :class:`LaneRefused`."""
         try:
             msg = self.sock.recv(1 + NONCE_BYTES + MAC_BYTES + 1)
         except BlockingIOError:
             return False
         except OSError as e:
             raise LaneRefused(f"{self.name}: {type(e).__name__}: {e}") from e
+        if self.proved:
+            if msg == LANE_TAKEN:
+                return True
+            raise LaneRefused(f"{self.name} did not take the lane" if not msg else f"{self.name} answered "
+                                                                                   f"out of protocol")
         if not msg:
             raise LaneRefused(f"{self.name} closed: no session there expects our key")
         nonce_s, mac = msg[1:1 + NONCE_BYTES], msg[1 + NONCE_BYTES:]
         if len(msg) != 1 + NONCE_BYTES + MAC_BYTES or msg[:1] != SERVER_PROOF or \
-                not hmac.compare_digest(mac, lane_mac(self.key, b"server", self._nonce, nonce_s)):
-            # whoever holds that name does not know the key our session gave its peer: not our peer
+                not hmac.compare_digest(mac, lane_mac(self.key, b"server", self.ids, self._nonce, nonce_s)):
+            # whoever holds that name does not know the key our session gave its peer (or names other ends)
             raise LaneRefused(f"{self.name} failed the session proof")
         try:
-            self.sock.send(CLIENT_PROOF + lane_mac(self.key, b"client", nonce_s, self._nonce))
+            self.sock.send(CLIENT_PROOF + lane_mac(self.key, b"client", self.ids, nonce_s, self._nonce))
         except OSError as e:
             raise LaneRefused(f"{self.name}: {type(e).__name__}: {e}") from e
-        return True
+        self.proved = True
+        return False
 
     def close(self) -> None:
         self.sock.close()

@@ -14,6 +14,10 @@ Connection states (the table :data:`ALLOWED` is what the tests read)::
     IDLE --Hello (valid, fingerprints match): send HelloAck--> ACTIVE
     any --Bye / bad frame / illegal message / close()--> CLOSED
 
+Same host: the dialer's Hello carries a key for the session's lane (DialLane / ExpectLane: the worker opens it,
+p2pworker.control.lane); ACTIVE --LaneUp--> the peer's later messages come on the lane only (``lane_in``: one on
+the control link is a protocol error).
+
 The data plane is consumer pull (protocol version 2).  Consumer (client
 role), one load = one round (round numbers are worker-wide, so they never
 collide across reconnects)::
@@ -313,13 +317,16 @@ class Session:
                            self.lane_key))
         return self._take()
 
-    def receive(self, frame: bytes) -> list[Action]:
-        """Handle one frame from the peer.  A bad one closes the session (RemoteProtocolError is not raised:
-        the reason is in ``close_reason`` and ``counters['protocol_errors']``)."""
+    def receive(self, frame: bytes, *, lane: bool = False) -> list[Action]:
+        """Handle one frame from the peer (``lane``: it came on our same-host lane, not the control link).  A bad
+        one closes the session (RemoteProtocolError is not raised: the reason is in ``close_reason`` and
+        ``counters['protocol_errors']``)."""
         if self.state is State.CLOSED:
             return []
         self.counters["frames_in"] += 1
         try:
+            if self.lane_in and not lane:  # after its LaneUp the peer sends on the lane only: one stream, in order
+                raise RemoteProtocolError("a message on the control link after lane_up")
             msg = m.decode(frame)
             if type(msg) not in ALLOWED[self.state]:
                 raise RemoteProtocolError(f"{type(msg).__name__} is not allowed in state {self.state.value}")

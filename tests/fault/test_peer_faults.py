@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from p2pworker import api
 from tests.fault.conftest import BLOCKS, Jobs, figure, keys_for, load, park, pd
 
 pytestmark = pytest.mark.timeout(180)
@@ -244,6 +245,39 @@ def test_a_partitioned_control_link_ends_a_lane_session_within_the_heartbeat_dea
                f"≤ {DEADLINE_S:g} s + slack")
     finally:
         part.close()
+
+
+def test_a_lane_session_ends_with_the_peers_own_reason(nodes, figures):
+    """Same host, the session on its lane.  A producer that shuts down says why: its Bye goes on the lane before the
+    lane closes, and the consumer reads it first (the PeerDown it reports carries that reason, not "peer lost").  A
+    producer SIGKILLed mid-load is seen from its lane's close: the load fails naming the lane, nothing hangs."""
+    a, d = nodes("pa"), nodes("cd", seed=2)
+    jobs = Jobs()
+    assert pd(a, d, jobs, "warm")[0].success
+    assert [s["lane"] for s in d.status()["sessions"] if s["state"] == "active"] == ["up"]
+    a.close()
+    reasons: list[str] = []
+    deadline = time.monotonic() + 15
+    while not reasons:
+        assert time.monotonic() < deadline, "no PeerDown after the producer shut down"
+        reasons += [ev.reason for ev in d.client.poll() if isinstance(ev, api.PeerDown)]
+        time.sleep(0.01)
+    assert "said bye" in reasons[0] and "shutting down" in reasons[0], reasons
+
+    b = nodes("pb", seed=1)
+    assert pd(b, d, jobs, "warm-b")[0].success
+    keys = keys_for("half", 32)
+    park(b, jobs, "half", keys[:16], list(range(16)), finished=False)  # the load waits for the other half
+    lj = load(d, b.address, jobs, "half", keys, list(range(100, 132)))
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    b.kill()
+    got = jobs.collect(d, {lj}, timeout_s=DEADLINE_S + SLACK_S + 5)[lj]
+    took = time.monotonic() - t0
+    assert not got.success and "same-host lane" in got.reason, got
+    assert pd(nodes("pc", seed=3), d, jobs, "after")[0].success  # the consumer's worker serves on
+    figure(figures, "peer SIGKILL with a lane: its load reported failed", f"{took:.2f} s",
+           f"≤ {DEADLINE_S:g} s + slack (the lane's close, not the heartbeat)")
 
 
 def test_fingerprint_and_block_size_mismatch_name_both_values(nodes, figures):

@@ -167,6 +167,34 @@ def test_idle_worker_uses_under_2_percent_of_a_core(pair):
     assert max(used) < 0.2, f"an idle worker used {max(used) / 10:.1%} of a core"
 
 
+def test_a_worker_whose_adapter_stops_reading_sleeps_until_it_reads_again(pair, tmp_path):
+    """More events than the event ring holds, and an adapter that does not read for a while (a long engine step):
+    the worker waits on the ring's space bell instead of polling every millisecond, and hands the rest over as
+    soon as the adapter reads again.  (64 such workers spinning starved a whole test run of its CPU.)"""
+    from p2pworker.admin import query
+
+    (a, _), _ = pair
+    n = 400  # the event ring has 256 slots
+    sent = 0
+    deadline = time.monotonic() + 30
+    while sent < n:  # a store whose keys and rows disagree fails at once: one event each, no peer needed
+        assert time.monotonic() < deadline, f"only {sent} commands taken"
+        if a.send(api.StoreJob(1000 + sent, "r", [b"k"], [])):
+            sent += 1
+        else:
+            time.sleep(0.001)
+    time.sleep(0.5)  # the worker took them all and filled the event ring
+    admin = str(tmp_path / "wa.admin")
+    before = query(admin)["counters"]
+    assert before.get("event_ring_full", 0) > 0, before  # it did run out of room
+    time.sleep(2.0)
+    loops = query(admin)["counters"]["loops"] - before["loops"]
+    # asleep: timers only (~20 turns/s); polling for room every 1 ms would be ~2,000
+    assert loops < 300, f"{loops} loop turns in 2 s while the adapter did not read"
+    got = finished(a, set(range(1000, 1000 + n)), timeout_s=10)
+    assert len(got) == n and not any(e.success for e in got.values())
+
+
 def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
     port = free_port()
     with KVRegion.create(shm_prefix + "m", 8, 4096) as reg:

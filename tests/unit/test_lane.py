@@ -7,6 +7,7 @@ One process; the "peer" is a handover thread of this process, or a socket this t
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import select
@@ -139,13 +140,24 @@ def server(shm_prefix):
         srv.close()
 
 
-def dial(srv: handover.HandoverServer, key: bytes, token: bytes | None = None, timeout_s: float = 2.0) -> LaneDial:
-    """A dial driven to its end: returns the proven dial, or raises LaneRefused."""
-    d = LaneDial(srv.name, srv.token if token is None else token, key, time.monotonic() + timeout_s)
+IDS = handover.lane_ids("dialer-node", "acceptor-node")
+
+
+def dial(srv: handover.HandoverServer, key: bytes, token: bytes | None = None, timeout_s: float = 2.0,
+         ids: bytes = IDS, took: list | None = None, take: bool = True) -> LaneDial:
+    """A dial driven to its end, the acceptor's loop played here (it takes the lane and says so, as the worker's
+    _take_lanes does): returns the dial once taken, or raises LaneRefused.  ``took`` collects what the loop took."""
+    d = LaneDial(srv.name, srv.token if token is None else token, key, ids, time.monotonic() + timeout_s)
     try:
         while True:
             assert time.monotonic() < d.deadline, "no answer"
-            select.select([d.fileno()], [], [], 0.05)
+            select.select([d.fileno(), srv.wake_fd], [], [], 0.05)
+            for link, k, sock in (srv.take_lanes() if take else ()):
+                sock.send(handover.LANE_TAKEN)
+                if took is not None:
+                    took.append((link, k, sock))
+                else:
+                    sock.close()
             if d.step():
                 return d
     except BaseException:
@@ -165,9 +177,10 @@ def taken(srv: handover.HandoverServer, timeout_s: float = 2.0) -> list:
 
 def test_a_session_key_the_server_expects_opens_a_lane_both_ends_can_talk_over(server):
     key = secrets.token_bytes(handover.LANE_KEY_BYTES)
-    server.expect_lane(key, "in-7")
-    d = dial(server, key)
-    (link, got_key, sock), = taken(server)
+    server.expect_lane(key, IDS, "in-7")
+    took: list = []
+    d = dial(server, key, took=took)
+    (link, got_key, sock), = took
     assert (link, got_key) == ("in-7", key)
     ours, theirs = Lane(d.sock), Lane(sock)
     try:
@@ -180,11 +193,11 @@ def test_a_session_key_the_server_expects_opens_a_lane_both_ends_can_talk_over(s
 
 
 def test_no_lane_for_a_key_no_session_of_the_server_was_told(server):
-    server.expect_lane(secrets.token_bytes(32), "in-1")
+    server.expect_lane(secrets.token_bytes(32), IDS, "in-1")
     with pytest.raises(LaneRefused, match="no session there expects our key"):
         dial(server, secrets.token_bytes(32))
     key = secrets.token_bytes(32)
-    server.expect_lane(key, "in-2")
+    server.expect_lane(key, IDS, "in-2")
     server.forget_lane(key)  # its session ended
     with pytest.raises(LaneRefused, match="no session there expects our key"):
         dial(server, key)
@@ -197,7 +210,7 @@ def test_a_dialer_that_cannot_prove_the_key_gets_no_lane(server):
     """A local process that learned a lane's id (never its key) and the handover token: its proof fails, the server
     closes, and the session on that link gets nothing."""
     key = secrets.token_bytes(32)
-    server.expect_lane(key, "in-3")
+    server.expect_lane(key, IDS, "in-3")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         s.settimeout(2)
@@ -236,7 +249,7 @@ def test_a_dialer_refuses_a_server_that_does_not_know_the_key_and_tells_it_nothi
     t = threading.Thread(target=impostor)
     t.start()
     key = secrets.token_bytes(32)
-    d = LaneDial(name, secrets.token_bytes(handover.TOKEN_BYTES), key, time.monotonic() + 2)
+    d = LaneDial(name, secrets.token_bytes(handover.TOKEN_BYTES), key, IDS, time.monotonic() + 2)
     with pytest.raises(LaneRefused, match="failed the session proof"):
         while True:
             select.select([d.fileno()], [], [], 0.05)
@@ -253,14 +266,100 @@ def test_lanes_never_taken_are_closed_with_the_server(shm_prefix):
     with KVRegion.create(shm_prefix + "lane2", 8, 4096) as region:
         srv = samehost.serve(region)
         key = secrets.token_bytes(32)
-        srv.expect_lane(key, "in-9")
-        d = dial(srv, key)
+        srv.expect_lane(key, IDS, "in-9")
+        with pytest.raises(LaneRefused, match="did not take the lane"):
+            _proved_then_server_closed(srv, key)
+
+
+def _proved_then_server_closed(srv: handover.HandoverServer, key: bytes) -> None:
+    """Prove a lane, let it wait untaken, close the server: the dialer, still waiting for "K", is refused."""
+    d = LaneDial(srv.name, srv.token, key, IDS, time.monotonic() + 2)
+    try:
         deadline = time.monotonic() + 2
         while not srv.lanes_waiting:
             assert time.monotonic() < deadline
-            time.sleep(0.01)
-        srv.close()
-        lane = Lane(d.sock)
-        with pytest.raises(LaneBroken, match="closed its lane"):
-            drain(lane, 1)
-        lane.close()
+            select.select([d.fileno()], [], [], 0.05)
+            d.step()
+        srv.close()  # the lane nobody took is closed with it
+        while True:
+            assert time.monotonic() < deadline
+            select.select([d.fileno()], [], [], 0.05)
+            d.step()
+    finally:
+        d.close()
+
+
+def test_a_lane_the_loop_did_not_take_is_never_used(server):
+    """The acceptor's loop closes a lane instead of taking it (its session ended meanwhile): the dialer is refused
+    before it moved anything there."""
+    key = secrets.token_bytes(32)
+    server.expect_lane(key, IDS, "in-4")
+    d = LaneDial(server.name, server.token, key, IDS, time.monotonic() + 2)
+    try:
+        with pytest.raises(LaneRefused, match="did not take the lane"):
+            while True:
+                assert time.monotonic() < d.deadline
+                select.select([d.fileno(), server.wake_fd], [], [], 0.05)
+                for _, _, sock in server.take_lanes():
+                    sock.close()
+                d.step()
+    finally:
+        d.close()
+
+
+def test_a_lane_proves_whom_it_joins_not_only_the_key(server):
+    """A peer that passed our session's key on to a third worker (naming that worker's socket as its own) cannot
+    have our session joined to that worker's: the node ids are in both proofs."""
+    key = secrets.token_bytes(32)
+    server.expect_lane(key, handover.lane_ids("C", "D"), "in-5")  # D's session with C, given our key by C
+    with pytest.raises(LaneRefused, match="failed the session proof"):
+        dial(server, key, ids=handover.lane_ids("A", "C"))  # we are A, and think we dialed C
+    assert taken(server, timeout_s=0.3) == []
+
+
+def test_the_wake_pipe_is_readable_only_while_lanes_wait(server):
+    """Bursts of lanes proven while the loop takes them: once it took them all, the wake pipe is empty (a byte
+    left behind would make every poll of the loop return at once, a core spinning)."""
+    ids = IDS
+    for burst in range(20):
+        keys = [secrets.token_bytes(32) for _ in range(8)]
+        for i, k in enumerate(keys):
+            server.expect_lane(k, ids, f"in-{burst}-{i}")
+        dials = [LaneDial(server.name, server.token, k, ids, time.monotonic() + 2) for k in keys]
+        got = 0
+        deadline = time.monotonic() + 5
+        while got < len(keys):
+            assert time.monotonic() < deadline
+            for d in dials:
+                try:
+                    d.step()
+                except LaneRefused:
+                    pass  # its lane was taken and closed below: refused, as it should be
+            for _, _, sock in server.take_lanes():  # races the thread's hand-overs on purpose
+                got += 1
+                sock.close()
+        for d in dials:
+            d.close()
+        assert not server.lanes_waiting
+        assert select.select([server.wake_fd], [], [], 0)[0] == [], f"burst {burst}: a wake byte left behind"
+
+
+def test_a_dial_out_of_descriptors_is_a_refusal_not_an_error(server, monkeypatch):
+    def no_fds(*a, **k):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(handover.socket, "socket", no_fds)
+    with pytest.raises(LaneRefused, match="Too many open files"):
+        LaneDial(server.name, server.token, secrets.token_bytes(32), IDS, time.monotonic() + 1)
+
+
+def test_frames_sent_before_the_close_arrive_before_the_close_is_seen():
+    """A Bye and then the close: the session must see the Bye (and its reason) before the lane's end."""
+    a, b = pair()
+    a.send(b"release")
+    a.send(b"bye")
+    a.close()
+    assert b.recv() == [b"release", b"bye"]
+    with pytest.raises(LaneClosed):
+        b.recv()
+    b.close()

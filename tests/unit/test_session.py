@@ -781,11 +781,21 @@ def test_a_lane_is_asked_for_only_by_the_dialer_with_a_key_told_to_its_peer_alon
     assert dataclasses.is_dataclass(DialLane) and dataclasses.is_dataclass(ExpectLane)
 
 
-def test_lane_up_switches_the_peer_stream_once():
+def test_lane_up_switches_the_peer_stream_once_and_for_good():
+    """After the peer's LaneUp its messages come on the lane only: one more on the control link (or a second
+    LaneUp) closes the session (two streams could reorder a round's messages)."""
     p = Pair()
     p.handshake()
     assert not p.sa.lane_in
     p.a.receive(m.encode(m.LaneUp()))
     assert p.sa.lane_in and p.sa.state is State.ACTIVE
-    p.a.receive(m.encode(m.LaneUp()))
-    assert p.sa.state is State.CLOSED and "second lane_up" in p.sa.close_reason
+    p.a.load(1, "r", [b"k"], [0])
+    p.a.run(p.sa, p.sa.receive(m.encode(m.Offer("r", p.sa._max_round, [b"k"], [3])), lane=True))
+    assert p.sa.state is State.ACTIVE and len(p.a.data.reads) == 1  # on the lane: taken
+    p.a.receive(m.encode(m.Offer("r", 99, [], [], True)))  # on the control link after LaneUp
+    assert p.sa.state is State.CLOSED and "on the control link after lane_up" in p.sa.close_reason
+    q = Pair()
+    q.handshake()
+    q.a.receive(m.encode(m.LaneUp()))
+    q.a.run(q.sa, q.sa.receive(m.encode(m.LaneUp()), lane=True))
+    assert q.sa.state is State.CLOSED and "second lane_up" in q.sa.close_reason
