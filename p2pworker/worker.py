@@ -291,14 +291,14 @@ class Worker:
             del self._dials[link]
             self._lane_epoch += 1
             if self.sessions.get(link) is s and s.state is State.ACTIVE:
-                self._lane_up(link, s, Lane(dial.sock, self.cfg.control.max_frame_bytes))
+                self._lane_up(link, s, Lane(dial.sock, self.cfg.control.max_frame_bytes, self.cfg.control.hwm))
             else:
                 dial.close()
         for link, (s, lane) in list(self._lanes.items()):
             try:
+                frames = lane.recv() if lane.reading else ()  # first: what the peer sent before a close (its Bye)
                 if lane.backlog:
                     lane.flush()
-                frames = lane.recv() if lane.reading else ()
             except LaneBroken as e:
                 # closed by the peer (it closed the session, or died): as a lost link ("peer lost" keeps an outbound
                 # link to reconnect, see _retire); anything else is a broken session, closed with a Bye
@@ -359,7 +359,7 @@ class Worker:
             except OSError:
                 sock.close()
                 continue
-            self._offered[link] = (s, Lane(sock, self.cfg.control.max_frame_bytes),
+            self._offered[link] = (s, Lane(sock, self.cfg.control.max_frame_bytes, self.cfg.control.hwm),
                                    self.clock() + 2 * LANE_TIMEOUT_S)
 
     def _lane_deadlines(self, now: float) -> None:
@@ -482,6 +482,7 @@ class Worker:
         room_wanted = bool(self.pending) or self.evt.pending_bytes > 0
         if room_wanted and self.evt.arm():
             self.cmd.disarm()
+            self.evt.disarm()  # the adapter may have rung the bell as it freed that room: empty it (see below)
             return  # room already: flush now
         try:
             if 0 < timeout_s < 0.001 and not self._poller.poll(0):
@@ -492,8 +493,9 @@ class Worker:
                 self._poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
         finally:
             self.cmd.disarm()
-            if room_wanted:
-                self.evt.disarm()
+            # Always: the bell is in the poller, and a byte the adapter wrote as it saw us armed (even one that lands
+            # after we looked) would make every later poll return at once.
+            self.evt.disarm()
 
     # ------------------------------------------------------------ commands
     def _take_commands(self) -> bool:

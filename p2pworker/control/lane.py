@@ -12,7 +12,7 @@ one ordered stream from each peer, as before.
 
 Frames: a message may be larger than what one datagram carries (a socket's buffer bounds it), so each goes as
 datagrams of at most ``CHUNK_BYTES``, the first byte saying whether more follow.  What the socket cannot take now
-waits in an outbox (bounded: ``MAX_OUTBOX_BYTES``, past which the lane is broken, as a ZMQ link past its
+waits in an outbox (bounded in frames: ``MAX_OUTBOX_FRAMES``, past which the lane is broken, as a ZMQ link past its
 high-water mark), flushed on every loop turn.
 """
 
@@ -27,7 +27,7 @@ from p2pworker.errors import P2PError
 
 CHUNK_BYTES = 64 << 10
 MORE, LAST = b"M", b"E"
-MAX_OUTBOX_BYTES = 32 << 20  # 8 frames of the largest size; a 65,536-key Fetch is ~4 MB
+MAX_OUTBOX_FRAMES = 1000  # as the control link's hwm (the worker passes its setting): past it, the lane is broken
 MAX_FRAME_BYTES = 4 << 20  # as the control link's default max_frame_bytes (the worker passes its setting)
 SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
 
@@ -57,8 +57,11 @@ class LaneState(enum.Enum):
 class Lane:
     """One proven lane (either end).  ``reading``: the peer's LaneUp arrived, so its frames are read from here."""
 
-    def __init__(self, sock: socket.socket, max_frame_bytes: int | None = None) -> None:
+    def __init__(self, sock: socket.socket, max_frame_bytes: int | None = None, max_queued: int | None = None) -> None:
         self.max_frame_bytes = MAX_FRAME_BYTES if max_frame_bytes is None else max_frame_bytes
+        # Frames, not bytes, as ZMQ's high-water mark: a job of MAX_JOB_KEYS keys (invariant 8) sends ~130 frames
+        # of up to ~1 MB at once, which must wait here, not break the session.
+        self.max_queued = MAX_OUTBOX_FRAMES if max_queued is None else max_queued
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -69,7 +72,7 @@ class Lane:
         self.state = LaneState.UP
         self.reading = False
         self._out: collections.deque[bytes] = collections.deque()
-        self._out_bytes = 0
+        self._queued = 0  # frames whose last datagram is still in _out
         self._partial: list[bytes] = []
         self._partial_bytes = 0
         self._then: LaneBroken | None = None  # what ended the lane after the frames recv() returned last
@@ -89,13 +92,12 @@ class Lane:
         n = len(frame)
         if n > self.max_frame_bytes - 64:  # what the control link refuses too (the peer would drop it)
             raise P2PError(f"control payload of {n} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        if self._queued >= self.max_queued:
+            raise LaneBroken(f"the peer has not read {self._queued} frames of its lane")
         for i in range(0, max(n, 1), CHUNK_BYTES):
-            chunk = frame[i:i + CHUNK_BYTES]
-            self._out.append((MORE if i + CHUNK_BYTES < n else LAST) + chunk)
-            self._out_bytes += len(chunk) + 1
+            self._out.append((MORE if i + CHUNK_BYTES < n else LAST) + frame[i:i + CHUNK_BYTES])
+        self._queued += 1
         self.frames_out += 1
-        if self._out_bytes > MAX_OUTBOX_BYTES:
-            raise LaneBroken(f"the peer has not read {self._out_bytes} bytes of its lane")
         self.flush()
 
     def flush(self) -> None:
@@ -103,7 +105,8 @@ class Lane:
         try:
             while out:
                 sock.send(out[0])
-                self._out_bytes -= len(out.popleft())
+                if out.popleft()[:1] == LAST:
+                    self._queued -= 1
         except BlockingIOError:
             return  # full: the rest goes on a later loop turn, in order
         except OSError as e:
@@ -116,15 +119,23 @@ class Lane:
             raise self._then
         frames: list[bytes] = []
         sock = self.sock
+        reset: LaneBroken | None = None
         while len(frames) < max_frames:
             try:
                 d = sock.recv(CHUNK_BYTES + 1)
             except BlockingIOError:
-                break
+                end = reset
+                if end is None:
+                    break
             except OSError as e:
                 end = _broken("recv", e)
+                if e.errno == errno.ECONNRESET and reset is None:
+                    # Linux says "reset" (the peer closed with our frames unread) BEFORE the frames it sent last:
+                    # read those first (its Bye, its reason), then the end
+                    reset = end
+                    continue
             else:
-                end = None if d else LaneClosed("the peer closed its lane")
+                end = None if d else (reset or LaneClosed("the peer closed its lane"))
             if end is not None:
                 if frames:  # e.g. a Bye, then the close: the session sees the Bye (and its reason) first
                     self._then = end
@@ -148,3 +159,4 @@ class Lane:
             self.state = LaneState.CLOSED
             self.sock.close()
             self._out.clear()
+            self._queued = 0

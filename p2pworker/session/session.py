@@ -325,9 +325,11 @@ class Session:
             return []
         self.counters["frames_in"] += 1
         try:
-            if self.lane_in and not lane:  # after its LaneUp the peer sends on the lane only: one stream, in order
-                raise RemoteProtocolError("a message on the control link after lane_up")
             msg = m.decode(frame)
+            # After its LaneUp the peer sends on the lane only (one stream, in order); a Bye may still come on the
+            # link (the peer's lane broke: nothing to keep in order any more).
+            if self.lane_in and not lane and type(msg) is not m.Bye:
+                raise RemoteProtocolError("a message on the control link after lane_up")
             if type(msg) not in ALLOWED[self.state]:
                 raise RemoteProtocolError(f"{type(msg).__name__} is not allowed in state {self.state.value}")
             self._handlers[type(msg)](msg)

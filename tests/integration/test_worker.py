@@ -193,6 +193,12 @@ def test_a_worker_whose_adapter_stops_reading_sleeps_until_it_reads_again(pair, 
     assert loops < 300, f"{loops} loop turns in 2 s while the adapter did not read"
     got = finished(a, set(range(1000, 1000 + n)), timeout_s=10)
     assert len(got) == n and not any(e.success for e in got.values())
+    # and asleep again once it handed them over (a wake-up byte left on the ring's bell would spin it)
+    time.sleep(0.3)
+    before = query(admin)["counters"]["loops"]
+    time.sleep(2.0)
+    loops = query(admin)["counters"]["loops"] - before
+    assert loops < 300, f"{loops} loop turns in 2 s after the adapter read everything"
 
 
 def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):

@@ -17,7 +17,6 @@ import time
 
 import pytest
 
-from p2pworker.control import lane as lane_mod
 from p2pworker.control.lane import CHUNK_BYTES, Lane, LaneBroken, LaneClosed
 from p2pworker.errors import P2PError
 from p2pworker.data import handover, samehost
@@ -92,16 +91,34 @@ def test_frames_past_max_frame_bytes_are_refused_by_the_sender():
         b.close()
 
 
-def test_a_peer_that_stops_reading_breaks_the_lane_at_the_outbox_bound(monkeypatch):
-    monkeypatch.setattr(lane_mod, "MAX_OUTBOX_BYTES", 1 << 20)
+def test_a_peer_that_stops_reading_breaks_the_lane_at_the_outbox_bound_in_frames():
+    """Bounded in frames, as the control link's high-water mark: the frames of one MAX_JOB_KEYS job (~130 of up to
+    ~1 MB) wait for the peer; only a peer that stops reading for good breaks the lane."""
     a, b = pair()
+    a = Lane(a.sock, max_queued=200)
     try:
+        for _ in range(140):
+            a.send(os.urandom(1 << 20))  # ~140 MB, far more than the socket holds: waits, in order
+        assert a.backlog
         with pytest.raises(LaneBroken, match="has not read"):
-            for _ in range(10_000):
-                a.send(os.urandom(4096))
+            for _ in range(1000):
+                a.send(b"x" * 100)
     finally:
         a.close()
         b.close()
+
+
+def test_frames_the_peer_sent_before_closing_arrive_even_when_linux_reports_the_reset_first():
+    """The peer closed with our frames unread: Linux reports ECONNRESET before the frames it sent last.  They are
+    read first (its Bye, its reason), then the lane's end."""
+    a, b = pair()
+    a.send(b"unread by b")
+    b.send(b"bye")
+    b.close()
+    assert a.recv() == [b"bye"]
+    with pytest.raises(LaneClosed):
+        a.recv()
+    a.close()
 
 
 def test_a_closed_peer_or_a_datagram_out_of_framing_breaks_the_lane():

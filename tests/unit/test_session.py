@@ -799,3 +799,9 @@ def test_lane_up_switches_the_peer_stream_once_and_for_good():
     q.a.receive(m.encode(m.LaneUp()))
     q.a.run(q.sa, q.sa.receive(m.encode(m.LaneUp()), lane=True))
     assert q.sa.state is State.CLOSED and "second lane_up" in q.sa.close_reason
+    r = Pair()  # a Bye may still come on the link (the peer's lane broke): its reason is kept
+    r.handshake()
+    r.a.receive(m.encode(m.LaneUp()))
+    r.a.receive(m.encode(m.Bye("its lane broke")))
+    assert r.sa.state is State.CLOSED and "its lane broke" in r.sa.close_reason
+    assert r.sa.counters["protocol_errors"] == 0
