@@ -127,6 +127,11 @@ def test_the_wire_cut_under_a_load_then_restored(tmp_path):
             assert out["worker_exit"] is not None, "the load was neither reported nor its worker gone"
             assert took < 1.5 + 10.0 + 5.0, f"the worker took {took:.1f} s to give up on unsettled reads"
             hosts.died.add("b")
+            # The same long cut with a READ in flight can also end the PRODUCER's worker: UCX over TCP aborts the
+            # process when that endpoint times out ("ucp_request.inl ... Fatal: unexpected error: Endpoint timeout",
+            # seen once in CI, 2026-12-02).  No row is written by anyone; its adapter fails its store jobs and starts
+            # a new worker.  Left open (the closing note of session 9): its exit code is not held to 0 here.
+            hosts.died.add("a")
             outcome = f"consumer worker exited (code {out['worker_exit']}) after {took:.1f} s: reads did not settle"
         print(f"wire cut mid-transfer: {outcome}")
 
