@@ -60,6 +60,21 @@ def _unix_echo(sock) -> None:
         sock.send(b"x" * 60)
 
 
+def _round_trips(send, wait, recv, n: int, what: str) -> list[float]:
+    """``n`` timed round trips of a 60-byte message, 1 ms apart (the peer sleeps between them), after 50 untimed."""
+    rtts = []
+    for i in range(n + 50):
+        t0 = time.perf_counter()
+        send(b"y" * 60)
+        if not wait():
+            raise SystemExit(f"{what} did not answer")
+        recv()
+        if i >= 50:
+            rtts.append(time.perf_counter() - t0)
+        time.sleep(0.001)
+    return rtts
+
+
 def bare(n: int) -> list[dict]:
     import zmq
 
@@ -73,16 +88,7 @@ def bare(n: int) -> list[dict]:
     d.connect(f"tcp://127.0.0.1:{q.get(timeout=30)}")
     poller = zmq.Poller()
     poller.register(d, zmq.POLLIN)
-    rtts = []
-    for i in range(n + 50):
-        t0 = time.perf_counter()
-        d.send(b"y" * 60)
-        if not poller.poll(2000):
-            raise SystemExit("zmq echo did not answer")
-        d.recv()
-        if i >= 50:
-            rtts.append(time.perf_counter() - t0)
-        time.sleep(0.001)
+    rtts = _round_trips(d.send, lambda: poller.poll(2000), d.recv, n, "zmq echo")
     d.send(b"stop")
     proc.join(10)
     d.close(0)
@@ -94,16 +100,7 @@ def bare(n: int) -> list[dict]:
     proc.start()
     p = select.poll()
     p.register(a, select.POLLIN)
-    rtts = []
-    for i in range(n + 50):
-        t0 = time.perf_counter()
-        a.send(b"y" * 60)
-        if not p.poll(2000):
-            raise SystemExit("unix echo did not answer")
-        a.recv(4096)
-        if i >= 50:
-            rtts.append(time.perf_counter() - t0)
-        time.sleep(0.001)
+    rtts = _round_trips(a.send, lambda: p.poll(2000), lambda: a.recv(4096), n, "unix echo")
     a.send(b"stop")
     proc.join(10)
     a.close()

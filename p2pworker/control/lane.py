@@ -10,6 +10,11 @@ Order: each direction switches once.  A worker whose lane is up sends ``LaneUp``
 later message of that session on the lane; its peer reads the lane only after that ``LaneUp``, so a session sees
 one ordered stream from each peer, as before.
 
+Invariant 7: a lane carries session messages only and writes no row; a Release (which unpins a producer's rows)
+is read from it only after that session's peer proved the session's key and said LaneUp.  Invariant 8: frames up
+to the control link's max_frame_bytes, in datagrams of CHUNK_BYTES; the outbox is bounded in frames (a job of
+MAX_JOB_KEYS keys is ~130 of them), not bytes.
+
 Frames: a message may be larger than what one datagram carries (a socket's buffer bounds it), so each goes as
 datagrams of at most ``CHUNK_BYTES``, the first byte saying whether more follow.  What the socket cannot take now
 waits in an outbox (bounded in frames: ``MAX_OUTBOX_FRAMES``, past which the lane is broken, as a ZMQ link past its

@@ -167,6 +167,15 @@ class Partition:
         self.lsock.close()
 
 
+def through(a, d, via: str, jobs: Jobs, req: str, n: int = 16):
+    """One load of ``n`` rows from ``a`` by ``d``, dialed at ``via`` (the partition's forwarder); its report."""
+    src, dst = list(range(n)), list(range(64, 64 + n))
+    keys = keys_for(req, n)
+    park(a, jobs, req, keys, src)
+    lj = load(d, via, jobs, req, keys, dst)
+    return jobs.collect(d, {lj}, timeout_s=DEADLINE_S + SLACK_S + 25)[lj]
+
+
 NO_LANE = ["--settings-json", '{"data": {"lane": false}}']
 
 
@@ -179,23 +188,16 @@ def test_control_plane_partition_then_heal(nodes, figures):
     via = f"127.0.0.1:{part.port}"
     jobs = Jobs()
     try:
-        def through(req: str, n: int = 16):
-            src, dst = list(range(n)), list(range(64, 64 + n))
-            keys = keys_for(req, n)
-            park(a, jobs, req, keys, src)
-            lj = load(d, via, jobs, req, keys, dst)
-            return jobs.collect(d, {lj}, timeout_s=DEADLINE_S + SLACK_S + 25)[lj]
-
-        assert through("before").success
+        assert through(a, d, via, jobs, "before").success
         part.blocked.set()
         t0 = time.monotonic()
-        got = through("during")
+        got = through(a, d, via, jobs, "during")
         took = time.monotonic() - t0
         assert not got.success and took <= DEADLINE_S + SLACK_S, (got, took)
         part.heal()
         t1 = time.monotonic()
         deadline = t1 + 30
-        while not through(f"healed-{time.monotonic_ns()}").success:
+        while not through(a, d, via, jobs, f"healed-{time.monotonic_ns()}").success:
             assert time.monotonic() < deadline, "no recovery after the partition healed"
             time.sleep(0.5)
         figure(figures, "control partition: load reported failed", f"{took:.2f} s", f"≤ {DEADLINE_S:g} s + slack")
@@ -217,14 +219,7 @@ def test_a_partitioned_control_link_ends_a_lane_session_within_the_heartbeat_dea
         return [s["lane"] for s in d.status()["sessions"] if s["state"] == "active"]
 
     try:
-        def through(req: str, n: int = 16):
-            src, dst = list(range(n)), list(range(64, 64 + n))
-            keys = keys_for(req, n)
-            park(a, jobs, req, keys, src)
-            lj = load(d, via, jobs, req, keys, dst)
-            return jobs.collect(d, {lj}, timeout_s=DEADLINE_S + SLACK_S + 25)[lj]
-
-        assert through("before").success
+        assert through(a, d, via, jobs, "before").success
         assert lanes() == ["up"], lanes()
         part.blocked.set()
         t0 = time.monotonic()
@@ -233,11 +228,11 @@ def test_a_partitioned_control_link_ends_a_lane_session_within_the_heartbeat_dea
             time.sleep(0.1)
         closed_after = time.monotonic() - t0
         t1 = time.monotonic()
-        got = through("during")
+        got = through(a, d, via, jobs, "during")
         assert not got.success and time.monotonic() - t1 <= DEADLINE_S + SLACK_S, got
         part.heal()
         deadline = time.monotonic() + 30
-        while not through(f"healed-{time.monotonic_ns()}").success:
+        while not through(a, d, via, jobs, f"healed-{time.monotonic_ns()}").success:
             assert time.monotonic() < deadline, "no recovery after the partition healed"
             time.sleep(0.5)
         assert lanes() == ["up"], lanes()
