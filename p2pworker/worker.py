@@ -168,6 +168,10 @@ class Worker:
         self.counters = collections.Counter()
         self._poller = zmq.Poller()
         self._poll_epoch: tuple | None = None  # the (control sockets_epoch, lane epoch) the poller was built for
+        # What the last sleep's poll found readable, for the loop turn right after it (None: no poll, read all).
+        # A source it watched and did not find readable is skipped that turn: ~10 us of empty reads (admin, control
+        # sockets, lanes, bells) saved per turn, three turns per request (issue 16).
+        self._readable: set | None = None
         # Same-host lanes (p2pworker.control.lane), by control link, each with the session it belongs to:
         # - _lanes: ours is switched (LaneUp went out on the link: every message of the session goes on the lane);
         # - _dials: we dialed, the acceptor has not taken it yet (until handover.TIMEOUT_S);
@@ -218,7 +222,7 @@ class Worker:
         """One loop iteration; True when more work is expected soon (do not sleep long)."""
         self.counters["loops"] += 1
         did = self._take_commands()
-        if self.ctl is not None:
+        if self.ctl is not None and not (self._watched() and self.ctl.quiet(self._readable)):
             for ev in self.ctl.poll(0):
                 did = True
                 self._on_control(ev)
@@ -268,7 +272,9 @@ class Worker:
             if status.gone:
                 self.stop(f"the adapter is gone (command ring producer {status.value})")
         self._flush_events()
-        self.admin.serve()
+        if not self._unready(self.admin.socket):
+            self.admin.serve()
+        self._readable = None  # valid for this turn only
         # pending events, or one that spans slots and is partly out: the adapter frees slots as it polls
         # Events the full event ring could not take yet are not "busy": _sleep waits for the adapter to free a slot
         # (the ring's space bell), instead of polling every busy_poll_s while an adapter is slow to read.
@@ -296,7 +302,8 @@ class Worker:
                 dial.close()
         for link, (s, lane) in list(self._lanes.items()):
             try:
-                frames = lane.recv() if lane.reading else ()  # first: what the peer sent before a close (its Bye)
+                # first: what the peer sent before a close (its Bye)
+                frames = lane.recv() if lane.reading and not self._unready(lane.fileno()) else ()
                 if lane.backlog:
                     lane.flush()
             except LaneBroken as e:
@@ -458,14 +465,27 @@ class Worker:
             return True
         return bool(self._settling) or any(s.open_loads or s.leases for s in self.sessions.values())
 
+    def _watched(self) -> bool:
+        """The last sleep polled, and over the sources of now: what it did not find readable has nothing to read."""
+        return self._readable is not None and self._poll_epoch == self._epoch()
+
+    def _unready(self, source) -> bool:
+        """The last sleep's poll watched ``source`` and found nothing to read: skip reading it this turn.  A byte
+        or frame that arrived since makes the next poll return at once, so nothing waits longer than a turn."""
+        return self._watched() and source not in self._readable
+
+    def _epoch(self) -> tuple:
+        return (self.ctl.sockets_epoch if self.ctl is not None else -1, self._lane_epoch)
+
     def _sleep(self, busy: bool) -> None:
+        self._readable = None
         if self.data is not None and self.data.has_backlog():
             return  # pieces are ready to post: no sleeping
         lot = self.ctx.lot if self.ctx is not None else None
         timeout_s = poll_timeout_s(self.cfg, busy=busy, now=self.clock(), next_tick=self._next_tick,
                                    offering=lot.offering if lot is not None else 0,
                                    last_offer_at=lot.last_offer_at if lot is not None else -math.inf)
-        epoch = (self.ctl.sockets_epoch if self.ctl is not None else -1, self._lane_epoch)
+        epoch = self._epoch()
         if epoch != self._poll_epoch:  # links and lanes come and go: rebuild only then (not O(links) every sleep)
             self._poller = zmq.Poller()
             server = self.data.lane_server() if self.data is not None else None
@@ -484,18 +504,22 @@ class Worker:
             self.cmd.disarm()
             self.evt.disarm()  # the adapter may have rung the bell as it freed that room: empty it (see below)
             return  # room already: flush now
+        ready = None
         try:
             if 0 < timeout_s < 0.001 and not self._poller.poll(0):
                 # below zmq_poll's millisecond: nothing to read now, so a plain sleep (a passive NIXL target over
                 # TCP, whose peer's READ is served only while we progress, wants this while it holds leases)
                 time.sleep(timeout_s)
             else:
-                self._poller.poll(math.ceil(timeout_s * 1000))  # round up: waking early would spin until the timer
+                # round up: waking early would spin until the timer
+                ready = {sock for sock, _ in self._poller.poll(math.ceil(timeout_s * 1000))}
         finally:
-            self.cmd.disarm()
-            # Always: the bell is in the poller, and a byte the adapter wrote as it saw us armed (even one that lands
-            # after we looked) would make every later poll return at once.
-            self.evt.disarm()
+            # A bell the poll found readable is emptied; one it did not is not read (an empty read is a syscall and
+            # an exception).  A byte the adapter wrote as it saw us armed that lands after the poll makes the next
+            # poll return at once with the bell readable: it is emptied then, so no poll keeps returning.
+            self.cmd.disarm(drain=ready is None or self.cmd.fileno() in ready)
+            self.evt.disarm(drain=ready is None or self.evt.fileno() in ready)
+        self._readable = ready
 
     # ------------------------------------------------------------ commands
     def _take_commands(self) -> bool:

@@ -45,6 +45,24 @@ def install(w):
         return r
     zmq_control.ZmqControl.send = send
 
+    from p2pworker.control import lane as lmod  # a same-host session's messages go on its lane after LaneUp
+    lsend0 = lmod.Lane.send
+
+    def lane_send(self, frame):
+        rec("send0", *(_last["enc"] or ("?", "-")))
+        r = lsend0(self, frame)
+        rec("sent", *(_last["enc"] or ("?", "-")))
+        return r
+    lmod.Lane.send = lane_send
+    lrecv0 = lmod.Lane.recv
+
+    def lane_recv(self):
+        out = lrecv0(self)
+        if out:
+            rec("rx", len(out))
+        return out
+    lmod.Lane.recv = lane_recv
+
     poll0 = zmq_control.ZmqControl.poll
 
     def poll(self, timeout_ms=0):

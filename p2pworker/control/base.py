@@ -100,6 +100,11 @@ class ControlTransport(abc.ABC):
     def poll(self, timeout_ms: int = 0) -> "tuple[ControlEvent, ...] | list[ControlEvent]":
         """What happened since the last call; waits up to ``timeout_ms`` for something."""
 
+    def quiet(self, readable) -> bool:
+        """True only when ``poll(0)`` would have nothing to do, given what an outer poll over the transport's
+        sockets found readable.  Unsure is False (the default): the caller then polls."""
+        return False
+
     @abc.abstractmethod
     def disconnect(self, link: str) -> None:
         """Say bye and forget ``link``; no LinkDown is reported for it."""

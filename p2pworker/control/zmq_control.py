@@ -356,6 +356,13 @@ class ZmqControl(ControlTransport):
         """Every socket to watch for POLLIN (for an outer poll loop)."""
         return [self._router] + [lk.sock for lk in self._links.values() if lk.sock is not None]
 
+    def quiet(self, readable) -> bool:
+        """Nothing for ``poll(0)`` to do, given ``readable``, what an outer poll over :meth:`sockets` just found
+        readable: none of ours, no event queued, no tick due.  O(readable), not O(links)."""
+        if self._closed or self._events or self._clock() >= self._next_tick:
+            return False
+        return not any(sock is self._router or sock in self._by_sock for sock in readable)
+
     def poll(self, timeout_ms: int = 0):
         if self._closed:
             return _EMPTY

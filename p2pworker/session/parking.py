@@ -124,12 +124,19 @@ class ParkingLot:
         if p.finished and p.served and p.lease is None:
             self.reporter.done(job_id, False, (), 0, now, "request already served")
             return None
-        new: list[bytes] = []
-        for key, row in zip(keys, rows):
-            if key not in p.rows:  # a key parked twice: the first copy serves both
-                p.rows[key] = row
-                p.job_of[key] = job_id
-                new.append(key)
+        fresh = dict(zip(keys, rows))
+        if len(fresh) == len(keys) and p.rows.keys().isdisjoint(fresh):
+            # The usual store (distinct keys, none parked yet) in C loops: ~3x faster than the loop below at 64 keys.
+            p.rows.update(fresh)
+            p.job_of.update(dict.fromkeys(fresh, job_id))
+            new = list(fresh)
+        else:
+            new = []
+            for key, row in zip(keys, rows):
+                if key not in p.rows:  # a key parked twice (or twice in this job): the first copy serves both
+                    p.rows[key] = row
+                    p.job_of[key] = job_id
+                    new.append(key)
         if not new:
             self.reporter.done(job_id, True, keys, 0, now, "")
             return None
@@ -182,13 +189,24 @@ class ParkingLot:
             self.offering -= 1
         p.served = True
         now = self.clock()
-        read_set = set(read)
-        unread: list[bytes] = []
-        for key in lease.offered:
-            if key in read_set:
-                self._moved(p, key, now)
-            else:
-                unread.append(key)
+        offered = lease.offered
+        moved = set(read).intersection(offered)  # only what was offered can count as read
+        unread = [] if len(moved) == len(offered) else [k for k in offered if k not in moved]
+        # Per store job, with set operations (a Release of 64 keys costs ~25 us here, not ~100 key by key).  Jobs in
+        # the order they were stored (a few) or their keys were offered (many), the same on every run.
+        jobs = list(p.jobs) if len(p.jobs) <= 8 else dict.fromkeys(map(p.job_of.get, offered))
+        for job in jobs:
+            rec = p.jobs.get(job) if job is not None else None
+            if rec is None:
+                continue
+            hit = rec.open & moved
+            if not hit:
+                continue
+            rec.open -= hit
+            # in the job's own key order
+            rec.moved += rec.keys if len(hit) == len(rec.keys) else [k for k in rec.keys if k in hit]
+            if not rec.open:
+                self._close_job(p, job, True, now, "")
         self._fail_keys(p, unread, reason, now)
         # The lease stays referenced from the deadline heap until its hold_until: keep nothing big alive with it
         # (a 65,536-key lease's tables are ~9 MB).
@@ -209,16 +227,6 @@ class ParkingLot:
         lease.phase = LeasePhase.HELD
 
     # ------------------------------------------------------------ job bookkeeping
-    def _moved(self, p: Parcel, key: bytes, now: float) -> None:
-        job = p.job_of.get(key)
-        rec = p.jobs.get(job) if job is not None else None
-        if rec is None or key not in rec.open:
-            return
-        rec.open.discard(key)
-        rec.moved.append(key)
-        if not rec.open:
-            self._close_job(p, job, True, now, "")
-
     def _fail_keys(self, p: Parcel, keys: list[bytes], reason: str, now: float) -> None:
         for job in {p.job_of[k] for k in keys if k in p.job_of}:
             if job in p.jobs:
@@ -227,11 +235,16 @@ class ParkingLot:
     def _close_job(self, p: Parcel, job: int, success: bool, now: float, reason: str) -> None:
         rec = p.jobs.pop(job)
         lease = p.lease
-        for key in rec.keys:
-            if lease is not None and key in lease.offered:  # cannot happen: leased keys close only via release()
-                raise AssertionError(f"store job {job} closed while key {key!r} is leased")
-            del p.job_of[key]
-            del p.rows[key]  # the row is vLLM's again: never offer it after this
+        if lease is not None and not lease.offered.keys().isdisjoint(rec.keys):
+            # cannot happen: leased keys close only via release()
+            raise AssertionError(f"store job {job} closed while a key of it is leased")
+        if len(rec.keys) == len(p.rows):  # the parcel's only job (its keys are all parked): drop the tables whole
+            p.job_of.clear()
+            p.rows.clear()  # the rows are vLLM's again: never offer them after this
+        else:
+            for key in rec.keys:
+                del p.job_of[key]
+                del p.rows[key]  # the row is vLLM's again: never offer it after this
         self.reporter.done(job, success, rec.moved, len(rec.moved) * self.block_bytes, now, reason)
 
     def maybe_close(self, p: Parcel) -> None:

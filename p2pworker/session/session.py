@@ -490,7 +490,7 @@ class Session:
             ctx.reporter.done(job_id, False, (), 0, now, f"load of {len(keys)} keys exceeds the hard limit of "
                                                           f"{MAX_JOB_KEYS} keys per job (p2pworker.limits)")
             return []
-        granted = dict(zip(keys, (int(r) for r in rows)))
+        granted = dict(zip(keys, map(int, rows)))
         if not keys or len(keys) != len(rows) or len(granted) != len(keys) or len(set(granted.values())) != len(keys):
             ctx.reporter.done(job_id, False, (), 0, now, f"bad load: {len(keys)} keys, {len(rows)} rows "
                                                           f"(no duplicates allowed)")
@@ -538,19 +538,22 @@ class Session:
             return
         if load is None or load.request_id != msg.request_id:
             raise RemoteProtocolError(f"offer for {msg.request_id!r} round {msg.round} that was never fetched")
+        keys, rows = msg.keys, msg.rows
+        if len(keys) != len(rows):  # decode() refuses such a frame already; a row for every key, whoever built it
+            raise RemoteProtocolError(f"offer {msg.request_id!r}: {len(keys)} keys but {len(rows)} rows")
+        # Checked as sets (C loops: the per-key loop was the consumer's largest Python cost per request).
+        new = set(keys)
+        if not load.rows.keys() >= new:
+            raise RemoteProtocolError(f"offer for {msg.request_id!r} names a key that was not requested")
+        if len(new) != len(keys) or not load.offered.isdisjoint(new):
+            raise RemoteProtocolError(f"offer for {msg.request_id!r} names a key twice")
         nb = self.peer_info.num_blocks
-        local: list[int] = []
-        remote: list[int] = []
-        for key, row in zip(msg.keys, msg.rows):
-            if key not in load.rows:
-                raise RemoteProtocolError(f"offer for {msg.request_id!r} names a key that was not requested")
-            if key in load.offered:
-                raise RemoteProtocolError(f"offer for {msg.request_id!r} names a key twice")
-            if row >= nb:
-                raise RemoteProtocolError(f"offer for {msg.request_id!r}: row {row} outside the peer's 0..{nb - 1}")
-            load.offered.add(key)
-            local.append(load.rows[key])
-            remote.append(row)
+        top = max(rows, default=0)
+        if top >= nb:
+            raise RemoteProtocolError(f"offer for {msg.request_id!r}: row {top} outside the peer's 0..{nb - 1}")
+        load.offered |= new
+        local = list(map(load.rows.__getitem__, keys))
+        remote = list(rows)
         if msg.final:
             load.final = True
             load.reason = msg.reason
@@ -741,14 +744,19 @@ class Session:
         lease = p.lease
         if lease is None or lease.owner is not self or lease.phase is not LeasePhase.OFFERING:
             return
-        pending = lease.pending
-        keys = [k for k in (pending if candidates is None else candidates) if k in pending and k in p.rows]
+        pending, parked = lease.pending, p.rows
+        keys = ([k for k in pending if k in parked] if candidates is None
+                else [k for k in candidates if k in pending and k in parked])
+        rows = list(map(parked.__getitem__, keys))
         now = self.ctx.clock()
         if keys:
             self.ctx.lot.offering_starts(lease, now)
-        for k in keys:
-            del lease.pending[k]
-            lease.offered[k] = p.rows[k]
+            if len(keys) == len(pending):  # keys are distinct members of pending: all of it
+                pending.clear()
+            else:
+                for k in keys:
+                    del pending[k]
+            lease.offered.update(zip(keys, rows))
         # While Fetch parts are still coming, "nothing pending" or "request finished" says nothing about their keys.
         final = (not lease.more and (not lease.pending or p.finished)) or now >= lease.offer_until
         if not keys and not final:
@@ -763,7 +771,6 @@ class Session:
         if final:
             lease.phase = LeasePhase.HELD
             lease.more = False  # parts still to come are ignored: the consumer has its final offer
-        rows = [p.rows[k] for k in keys]
         for part, part_keys, more in _parts(keys):  # pieces of MAX_KEYS; only the last one may be final
             i = part * m.MAX_KEYS
             self._emit(m.Offer(p.request_id, lease.round, part_keys, rows[i:i + m.MAX_KEYS], final and not more,
@@ -775,7 +782,7 @@ class Session:
         if lease is None or lease.owner is not self or lease.round != msg.round:
             self.counters["stale_releases"] += 1  # the lease ran out first
             return
-        if any(k not in lease.offered for k in msg.read):
+        if not lease.offered.keys() >= set(msg.read):
             raise RemoteProtocolError(f"release for {msg.request_id!r} names keys that were not offered")
         lease.read += msg.read
         if len(lease.read) > len(lease.offered):

@@ -532,12 +532,14 @@ class Ring:
             return True
         return False
 
-    def disarm(self) -> None:
+    def disarm(self, drain: bool = True) -> None:
+        """Done sleeping.  ``drain=False``: a poll just found the bell empty, so skip the read that empties it."""
         self._w[self._my_sleep] = 0
-        try:
-            os.read(self._my_bell, 4096)
-        except BlockingIOError:
-            pass
+        if drain:
+            try:
+                os.read(self._my_bell, 4096)
+            except BlockingIOError:
+                pass
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float | None, what: str) -> None:
         if self._closed:
