@@ -41,9 +41,17 @@ from p2pworker.control.lane import Lane, LaneBroken, LaneClosed
 from p2pworker.data import DataTransport, make_data_transport
 from p2pworker.data.handover import TIMEOUT_S as LANE_TIMEOUT_S
 from p2pworker.data.handover import LANE_TAKEN, LaneDial, LaneRefused, lane_ids
-from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, PeerUnusable, TransferFailed
+from p2pworker.errors import (
+    AuthError,
+    DataPlaneUnavailable,
+    MessageTooLarge,
+    P2PError,
+    PeerUnusable,
+    RemoteProtocolError,
+    TransferFailed,
+)
 from p2pworker.fingerprint import Fingerprint
-from p2pworker.protocol.messages import PROTOCOL_VERSION, LaneUp, encode
+from p2pworker.protocol.messages import PROTOCOL_VERSION, Bye, LaneUp, decode, encode
 from p2pworker.session import (
     Action,
     AddDataPeer,
@@ -65,6 +73,7 @@ from p2pworker.session import (
     State,
 )
 from p2pworker.session.reporter import Event as ReportedEvent
+from p2pworker.session.session import bye_reason
 from p2pworker.shm import KVRegion, Ring, Role
 
 log = logging.getLogger("p2pworker.worker")
@@ -797,7 +806,7 @@ class Worker:
                             self.ctl.send(link, encode(msg))
                     except LaneClosed as e:  # the peer's end is gone: as a lost link (see _poll_lanes)
                         link = None
-                        todo.extend(s.close(f"peer lost: same-host lane: {e}"))
+                        todo.extend(s.close(lane_end_reason(lane[1], e)))
                     except P2PError as e:  # LaneBroken too
                         log.warning("control link %s: %s; closing its session", link, e)
                         link_was, link = link, None  # nothing more goes out on it
@@ -1131,6 +1140,26 @@ def _too_large(ev: api.Event, e: Exception) -> api.Event:
     if isinstance(ev, api.LookupResult):
         return api.LookupResult(ev.lookup_id, None, f"answer too large: {e}")
     return api.WorkerError(f"{type(ev).__name__} dropped: {e}")
+
+
+def lane_end_reason(lane: Lane, e: LaneClosed) -> str:
+    """Why a session ends whose send found its lane closed by the peer.  A peer that closed the session said why
+    in a Bye before closing its end, and that Bye may still wait, unread, in our end (our send came first this loop
+    turn; Linux reports EPIPE before what is queued): its reason, as if it had been read first.  Otherwise the peer
+    is lost.  What is read here is not delivered: the session is closing, and its loads fail either way."""
+    if lane.reading:  # the peer's frames come on the lane (its LaneUp arrived)
+        try:
+            frames = lane.recv()
+        except LaneBroken:
+            frames = []
+        for frame in frames:
+            try:
+                msg = decode(frame)
+            except RemoteProtocolError:
+                break
+            if isinstance(msg, Bye):
+                return bye_reason(msg)
+    return f"peer lost: same-host lane: {e}"
 
 
 def _to_api(ev: ReportedEvent) -> api.Event:

@@ -246,6 +246,12 @@ class _Inbound:
     parts: int = 0
 
 
+def bye_reason(msg: m.Bye) -> str:
+    """A session the peer ended with ``msg`` closes with this reason (also when the worker finds the Bye queued on a
+    lane our send found closed: p2pworker.worker.lane_end_reason)."""
+    return f"peer said bye: {msg.reason}" if msg.reason else "peer said bye"
+
+
 def _parts(items: list):
     """(part number, slice, more) for each frame's share of ``items``; one empty part for an empty list."""
     n = m.MAX_KEYS  # read at call time: the property tests shrink it to split tiny rounds into parts
@@ -431,7 +437,7 @@ class Session:
         self.lane_in = True  # the worker reads the lane from now on: the peer's later messages are there, in order
 
     def _on_bye(self, msg: m.Bye) -> None:
-        self._close(f"peer said bye: {msg.reason}" if msg.reason else "peer said bye")
+        self._close(bye_reason(msg))
 
     def close(self, reason: str, *, bye: bool = False, quiet: bool = False) -> list[Action]:
         """Close once: fail what can fail now, cancel our reads (their loads are reported once they settle),

@@ -380,3 +380,29 @@ def test_frames_sent_before_the_close_arrive_before_the_close_is_seen():
     with pytest.raises(LaneClosed):
         b.recv()
     b.close()
+
+
+def test_a_send_that_finds_the_lane_closed_still_ends_with_the_peers_bye_reason():
+    """The peer sent an Offer and its Bye, then closed its end; our send this loop turn comes before we read, and
+    fails (EPIPE).  The session ends with the peer's own reason (read from what is queued), not "peer lost"; with
+    nothing queued, or before the peer's LaneUp (its frames are not on the lane then), the peer is lost."""
+    from p2pworker.protocol import messages as m
+    from p2pworker.worker import lane_end_reason
+
+    for queued, reading, expect in (
+        ([m.Offer("r", 1, [b"k"], [3]), m.Bye("worker shutting down (SIGTERM)")], True,
+         "peer said bye: worker shutting down (SIGTERM)"),
+        ([], True, "peer lost: same-host lane: the peer closed its lane"),
+        ([m.Bye("not read: no LaneUp yet")], False, "peer lost: same-host lane: the peer closed its lane"),
+    ):
+        a, b = pair()
+        try:
+            a.reading = reading
+            for msg in queued:
+                b.send(m.encode(msg))
+            b.close()
+            with pytest.raises(LaneClosed) as err:
+                a.send(m.encode(m.Release("r", 1, [b"k"])))
+            assert lane_end_reason(a, err.value).startswith(expect), (queued, reading)
+        finally:
+            a.close()
