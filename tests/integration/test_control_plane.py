@@ -96,6 +96,26 @@ def test_empty_poll_allocates_nothing(pair):
     assert a.poll() is a.poll()
 
 
+def test_quiet_only_when_an_outer_poll_found_none_of_its_sockets_readable(pair):
+    """The worker skips ``poll(0)`` when ``quiet(readable)`` holds for what its own poll over ``sockets()`` found:
+    never with a frame waiting on one of our sockets, an event queued, or the tick due."""
+    a, b = pair
+    link = a.connect(b.address)
+    pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp) and of(e, "b", LinkUp))
+    outer = zmq.Poller()
+    for sock in b.sockets():
+        outer.register(sock, zmq.POLLIN)
+    a.send(link, b"x")
+    deadline = time.monotonic() + 5
+    while not (ready := {s for s, _ in outer.poll(50)}):
+        assert time.monotonic() < deadline, "the frame never made b's router readable"
+    assert not b.quiet(ready), "a frame waits on b's router"
+    assert [e.payload for e in b.poll(0) if isinstance(e, Received)] == [b"x"]
+    assert b.quiet(set()) or b._clock() >= b._next_tick  # idle now (unless its tick came due meanwhile)
+    b._next_tick = 0.0  # the tick is due: poll(0) has work
+    assert not b.quiet(set())
+
+
 def test_wrong_secret_is_rejected_before_any_data(pair):
     a, b = pair
     evil = ZmqControl(cfg(secret="wrong"), node_id="EVIL")

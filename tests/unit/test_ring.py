@@ -231,6 +231,25 @@ def test_external_poll_loop_wakes_on_put(pair):
     cons.disarm()
 
 
+def test_a_bell_left_unread_keeps_the_next_poll_returning_until_drained(pair):
+    """``disarm(drain=False)`` (the worker's loop after a poll that did not report the bell) leaves a byte that
+    lands later in the bell: the next poll returns at once with it, and a draining disarm empties it.  Nothing is
+    lost (the wake comes one poll late) and nothing spins (one drain and the poll sleeps again)."""
+    prod, cons = pair
+    poller = select.poll()
+    poller.register(cons.fileno(), select.POLLIN)
+    assert not cons.arm()
+    assert not poller.poll(0)
+    cons.disarm(drain=False)  # the poll found nothing
+    assert not cons.arm()
+    prod.put(Cmd(1))  # rings: the byte lands after that poll looked
+    cons.disarm(drain=False)
+    assert poller.poll(0), "the late byte must make the next poll return"
+    cons.disarm(drain=True)
+    assert not poller.poll(0), "drained: the next poll sleeps"
+    assert cons.try_get().seq == 1
+
+
 def test_blocked_producer_is_woken_by_a_get(pair):
     """A producer asleep on a full ring wakes when the consumer frees a slot (same process, via threads)."""
     import threading
