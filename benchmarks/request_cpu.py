@@ -32,7 +32,10 @@ def main() -> int:
     args = ap.parse_args()
     tree = os.path.abspath(args.tree)
     sys.path.insert(0, tree)
-    os.environ["PYTHONPATH"] = tree  # the workers the rig spawns run that tree's code too
+    # The workers the rig spawns run that tree's code too: `python -m p2pworker.cli` puts its working directory
+    # first on sys.path (before PYTHONPATH), so they start in the tree.
+    os.environ["PYTHONPATH"] = tree
+    os.chdir(tree)
     from p2pworker.bench.pd import PDRig
 
     bb = args.block_kib * 1024
