@@ -31,22 +31,44 @@ import inspect
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
+import sys
 import threading
 import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.ports import free_ports  # noqa: E402  (ports below the ephemeral range: no other bind(0) takes them)
 
 TIER_METHODS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "on_new_request",
                 "on_request_finished", "serve_external_requests", "has_pending_work", "on_schedule_end", "touch",
                 "take_events", "get_stats")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class HarnessError(RuntimeError):
+    """A scheduler process failed, died or did not answer in time: the run ends with this, never waits on."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What a scheduler sends instead of an answer when it raised (its traceback), before it exits."""
+
+    role: str
+    traceback: str
+
+
+def engine_id(kind: str, role: str, pid: int) -> str:
+    return f"pdbench{kind}{role}{pid}"
+
+
+def region_path(kind: str, role: str, pid: int) -> Path:
+    """vLLM's primary region file for that scheduler (SharedOffloadRegion: /dev/shm/vllm_offload_{engine_id}.mmap):
+    a scheduler that had to be killed cannot unlink it itself."""
+    return Path(f"/dev/shm/vllm_offload_{engine_id(kind, role, pid)}.mmap")
 
 
 def _mk(cls, **kw):
@@ -54,7 +76,8 @@ def _mk(cls, **kw):
     return cls(**{k: v for k, v in kw.items() if k in ok})
 
 
-def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port: int = 0):
+def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port: int = 0,
+          tier_extra: dict | None = None):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -70,12 +93,13 @@ def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port:
             tier["peers"] = [f"127.0.0.1:{peer_port}"]
     else:
         tier = {"type": "p2p", "host": "127.0.0.1", "port": port}
+    tier.update(tier_extra or {})
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * row, "eviction_policy": "lru",
              "secondary_tiers": [tier]}
     config = OffloadingConfig(
         groups=(_mk(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
         worker_kv_bytes_per_block=row, enable_kv_cache_events=False, extra_config=extra,
-        engine_id=f"pdbench{kind}{name}{os.getpid()}",
+        engine_id=engine_id(kind, name, os.getpid()),
         model=_mk(OffloadingModelConfig, name="bench", dtype="float16", max_model_len=1 << 20),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
@@ -205,12 +229,18 @@ def payload(rid: str, i: int, row: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(-128, 128, row, dtype=np.int8)
 
 
-def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, peer_port: int = 0) -> None:
+def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, peer_port: int = 0,
+           tier_extra: dict | None = None) -> None:
     """One scheduler: steps every 1 ms; runs commands from the parent between steps."""
     os.environ.setdefault("P2PWORKER_SECRET", "pd-tier-bench")
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
-    mgr = build(kind, role, port, row, num_chunks, peer_port)
+    try:
+        mgr = build(kind, role, port, row, num_chunks, peer_port, tier_extra)
+    except BaseException:
+        # vLLM's get_manager already undid what it built (tiers shut down, region unlinked); the parent gets why
+        conn.send(Failed(role, traceback.format_exc()))
+        raise
     tier = mgr.secondary_tiers[0]
     # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
     TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
@@ -306,6 +336,9 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
                     mgr.on_request_finished(ctx)
                 conn.send({"s": dt, "ok": ok, "results": sorted({r.name for r in res}), "calls": timed.take(),
                            "off_thread_s": timed.off_thread_s, "passes": len(pass_s), "pass_s": pass_s})
+    except Exception:
+        conn.send(Failed(role, traceback.format_exc()))  # in place of the answer the parent waits for
+        raise
     finally:
         if TR is not None:
             _hop_dump(TR, role)
@@ -315,46 +348,101 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
 
 
 class Pair:
-    def __init__(self, kind: str, row: int, num_chunks: int):
+    """One tier's two schedulers (P stores, D fetches), each a spawned process.  Every wait on them is bounded and
+    also ends as soon as one of them exits; any failure stops both and removes what a killed one left in /dev/shm.
+    """
+
+    START_S = 180.0  # both schedulers import vLLM and build their manager (ours also starts its worker)
+
+    def __init__(self, kind: str, row: int, num_chunks: int, ports: tuple[int, int] | None = None,
+                 tier_extra: dict | None = None):
         ctx = mp.get_context("spawn")
         self.kind = kind
-        self.pport, dport = _free_port(), _free_port()
+        self.pport, dport = ports or free_ports(2)
         self.p_conn, a = ctx.Pipe()
         self.d_conn, b = ctx.Pipe()
         cap = num_chunks * 2 + 8
-        self.procs = [ctx.Process(target=_serve, args=(kind, "P", self.pport, row, cap, a), daemon=True),
-                      ctx.Process(target=_serve, args=(kind, "D", dport, row, cap, b, self.pport), daemon=True)]
-        for p in self.procs:
-            p.start()
-        for c in (self.p_conn, self.d_conn):
-            if not c.poll(180) or c.recv() != "ready":
-                raise RuntimeError(f"{kind}: a scheduler did not start")
+        self.procs = {"P": ctx.Process(target=_serve, args=(kind, "P", self.pport, row, cap, a, 0, tier_extra),
+                                       daemon=True),
+                      "D": ctx.Process(target=_serve, args=(kind, "D", dport, row, cap, b, self.pport, tier_extra),
+                                       daemon=True)}
+        try:
+            for p in self.procs.values():
+                p.start()
+            a.close()  # the children hold their ends now: ours closed, a dead child's pipe reads as EOF
+            b.close()
+            deadline = time.monotonic() + self.START_S
+            for c in (self.p_conn, self.d_conn):
+                if self._answer(c, deadline - time.monotonic(), "starting") != "ready":
+                    raise HarnessError(f"{kind}: a scheduler answered something other than 'ready' at start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _answer(self, conn, timeout: float, doing: str):
+        """The next message on ``conn``; a ``Failed``, a scheduler's exit or ``timeout`` raise HarnessError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            # checked before the read: a scheduler's Failed, sent just before it exited, is still read (once)
+            dead = {r: p.exitcode for r, p in self.procs.items() if p.exitcode is not None}
+            try:
+                if conn.poll(0 if dead else 0.05):
+                    msg = conn.recv()
+                    if isinstance(msg, Failed):
+                        raise HarnessError(f"{self.kind}: scheduler {msg.role} failed while {doing}:\n{msg.traceback}")
+                    return msg
+            except (EOFError, OSError):
+                pass  # that scheduler is gone (its end of the pipe closed): its exit code says more
+            if dead:
+                raise HarnessError(f"{self.kind}: scheduler(s) exited while {doing}: "
+                                   + ", ".join(f"{r} (pid {self.procs[r].pid}) with {c}" for r, c in dead.items()))
+            if time.monotonic() > deadline:
+                raise HarnessError(f"{self.kind}: no answer within {timeout:g} s while {doing}")
 
     def request(self, rid: str, n: int) -> dict:
         self.p_conn.send(("store", rid, n))
-        assert self.p_conn.poll(60) and self.p_conn.recv() == "stored"
+        if (got := self._answer(self.p_conn, 60, f"storing {rid}")) != "stored":
+            raise HarnessError(f"{self.kind}: the producer answered {got!r} to a store")
         self.d_conn.send(("fetch", rid, n, self.pport))
-        assert self.d_conn.poll(120), "fetch did not finish"
-        out = self.d_conn.recv()
+        out = self._answer(self.d_conn, 120, f"fetching {rid}")  # the fetch itself gives up after 60 s
+        if not out["ok"]:  # a contender that does not deliver has no throughput to compare
+            raise HarnessError(f"{self.kind}: request {rid}: the consumer's lookups ended {out['results']} after "
+                               f"{out['s']:.3f} s ({out['passes']} passes): want every key HIT with the right bytes")
         self.p_conn.send(("drain",))
-        assert self.p_conn.poll(60)
-        prod = self.p_conn.recv()
+        prod = self._answer(self.p_conn, 60, f"draining {rid}")
         out["producer_calls"] = prod["calls"]
         out["producer_off_thread_s"] = prod["off_thread_s"]
         return out
 
     def close(self) -> None:
+        """Quit both (bounded), kill what did not exit, and unlink the region file of any scheduler that did not
+        exit cleanly (ours: its worker sees the adapter gone and removes its own files)."""
         for c in (self.p_conn, self.d_conn):
             try:
                 c.send(("quit",))
-                c.poll(60) and c.recv()
+            except (OSError, EOFError, ValueError):
+                pass  # that scheduler is gone already
+        deadline = time.monotonic() + 60
+        for c in (self.p_conn, self.d_conn):
+            try:  # its "closed" comes after mgr.shutdown(); stop waiting as soon as it exits
+                while time.monotonic() < deadline and not c.poll(0.05):
+                    if all(p.exitcode is not None for p in self.procs.values() if p.pid is not None):
+                        break
+                if c.poll(0):
+                    c.recv()
             except (OSError, EOFError):
                 pass
-        for p in self.procs:
-            p.join(30)
+        for role, p in self.procs.items():
+            if p.pid is None:
+                continue  # never started
+            p.join(max(0.0, deadline - time.monotonic()) + 1)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+            if p.exitcode != 0:
+                region_path(self.kind, role, p.pid).unlink(missing_ok=True)
+        for c in (self.p_conn, self.d_conn):
+            c.close()
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -414,6 +502,9 @@ def main() -> None:
     a = ap.parse_args()
     import vllm
 
+    if "intree" in a.tiers.split(","):
+        _check_intree_nixl()
+
     results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {}}
     hog = mp.get_context("spawn").Process(target=_spin, daemon=True) if a.hog else None
     if hog is not None:
@@ -431,6 +522,8 @@ def main() -> None:
                     finally:
                         pair.close()
             _report(results, blocks, row, n)
+    except HarnessError as e:  # the pair is stopped and cleaned up already; say why, exit non-zero
+        sys.exit(f"pd_tier: {e}")
     finally:
         if hog is not None:
             hog.kill()
@@ -438,6 +531,18 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _check_intree_nixl() -> None:
+    """vLLM's in-tree tier imports NIXL as ``nixl._api`` (the ``nixl`` meta package) and, without it, starts anyway
+    and misses every fetch.  setup.sh installs only the ``nixl-cu13`` build (``nixl_cu13._api``, which ours uses)."""
+    import importlib
+
+    try:
+        importlib.import_module("nixl._api")
+    except ImportError as e:
+        sys.exit(f"pd_tier: vLLM's in-tree p2p tier needs NIXL's meta package (it imports nixl._api: {e}); install "
+                 f"it beside the build setup.sh put there: {sys.executable} -m pip install 'nixl>=1.5,<2'")
 
 
 def _spin() -> None:

@@ -31,7 +31,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pd_tier import Timed, _free_port, build  # noqa: E402  (a sibling script, not a package)
+from pd_tier import Timed, build  # noqa: E402  (a sibling script, not a package)
+
+from tests.ports import free_port  # noqa: E402  (pd_tier put the repository root on sys.path)
 
 ROW = 4096
 
@@ -61,7 +63,7 @@ class Engine:
         from vllm.v1.kv_offload.base import ScheduleEndContext
 
         self._end = ScheduleEndContext
-        self.port = _free_port()
+        self.port = free_port()
         self.mgr = build("ours", role, self.port, ROW, capacity)
         self.tier = self.mgr.secondary_tiers[0]
         self.timed = Timed(self.tier)
