@@ -26,11 +26,13 @@ Reported per geometry, medians over all blocks:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import inspect
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -241,20 +243,21 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
         # vLLM's get_manager already undid what it built (tiers shut down, region unlinked); the parent gets why
         conn.send(Failed(role, traceback.format_exc()))
         raise
-    tier = mgr.secondary_tiers[0]
-    # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
-    TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
-    ACC = _hop_acc(mgr, tier) if TR is not None else None
-    timed = Timed(tier)
-    view = np.asarray(tier._primary_kv_view)
-    lock = getattr(mgr, "lock", None) or threading.Lock()
+    TR = view = None
+    try:  # from here on the manager exists: whatever happens, it is shut down (its region file unlinked)
+        tier = mgr.secondary_tiers[0]
+        # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
+        TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
+        ACC = _hop_acc(mgr, tier) if TR is not None else None
+        timed = Timed(tier)
+        view = np.asarray(tier._primary_kv_view)
+        lock = getattr(mgr, "lock", None) or threading.Lock()
 
-    def step(new=()):
-        with lock:
-            mgr.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
+        def step(new=()):
+            with lock:
+                mgr.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
 
-    conn.send("ready")
-    try:
+        conn.send("ready")
         while True:
             if not conn.poll(0.001):
                 step()
@@ -337,14 +340,16 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
                 conn.send({"s": dt, "ok": ok, "results": sorted({r.name for r in res}), "calls": timed.take(),
                            "off_thread_s": timed.off_thread_s, "passes": len(pass_s), "pass_s": pass_s})
     except Exception:
-        conn.send(Failed(role, traceback.format_exc()))  # in place of the answer the parent waits for
+        with contextlib.suppress(OSError):  # the parent may be gone (that may be what raised)
+            conn.send(Failed(role, traceback.format_exc()))  # in place of the answer the parent waits for
         raise
     finally:
         if TR is not None:
             _hop_dump(TR, role)
         del view
         mgr.shutdown()
-        conn.send("closed")
+        with contextlib.suppress(OSError):
+            conn.send("closed")
 
 
 class Pair:
@@ -355,29 +360,45 @@ class Pair:
     START_S = 180.0  # both schedulers import vLLM and build their manager (ours also starts its worker)
 
     def __init__(self, kind: str, row: int, num_chunks: int, ports: tuple[int, int] | None = None,
-                 tier_extra: dict | None = None):
+                 tier_extra: dict[str, dict] | None = None):
+        """``tier_extra``: per role ("P", "D"), keys added to that scheduler's tier config."""
         ctx = mp.get_context("spawn")
         self.kind = kind
         self.pport, dport = ports or free_ports(2)
         self.p_conn, a = ctx.Pipe()
         self.d_conn, b = ctx.Pipe()
+        self.conns = {"P": self.p_conn, "D": self.d_conn}
+        extra = tier_extra or {}
         cap = num_chunks * 2 + 8
-        self.procs = {"P": ctx.Process(target=_serve, args=(kind, "P", self.pport, row, cap, a, 0, tier_extra),
+        self.procs = {"P": ctx.Process(target=_serve, args=(kind, "P", self.pport, row, cap, a, 0, extra.get("P")),
                                        daemon=True),
-                      "D": ctx.Process(target=_serve, args=(kind, "D", dport, row, cap, b, self.pport, tier_extra),
+                      "D": ctx.Process(target=_serve, args=(kind, "D", dport, row, cap, b, self.pport, extra.get("D")),
                                        daemon=True)}
         try:
-            for p in self.procs.values():
-                p.start()
-            a.close()  # the children hold their ends now: ours closed, a dead child's pipe reads as EOF
-            b.close()
+            try:
+                for p in self.procs.values():
+                    p.start()
+            finally:
+                a.close()  # the children hold their ends now: ours closed, a dead child's pipe reads as EOF
+                b.close()
             deadline = time.monotonic() + self.START_S
-            for c in (self.p_conn, self.d_conn):
-                if self._answer(c, deadline - time.monotonic(), "starting") != "ready":
-                    raise HarnessError(f"{kind}: a scheduler answered something other than 'ready' at start")
+            for role, c in self.conns.items():
+                got = self._answer(c, deadline - time.monotonic(), f"starting (bound {self.START_S:g} s)")
+                if got != "ready":
+                    raise HarnessError(f"{kind}: scheduler {role} answered {got!r} at start, not 'ready'")
         except BaseException:
             self.close()
             raise
+
+    def _failed(self, roles) -> HarnessError | None:
+        """The first ``Failed`` waiting on those roles' pipes (a scheduler sends it just before it exits)."""
+        for r in roles:
+            try:
+                if self.conns[r].poll(0) and isinstance(msg := self.conns[r].recv(), Failed):
+                    return HarnessError(f"{self.kind}: scheduler {msg.role} failed:\n{msg.traceback}")
+            except (EOFError, OSError):
+                pass
+        return None
 
     def _answer(self, conn, timeout: float, doing: str):
         """The next message on ``conn``; a ``Failed``, a scheduler's exit or ``timeout`` raise HarnessError."""
@@ -392,23 +413,33 @@ class Pair:
                         raise HarnessError(f"{self.kind}: scheduler {msg.role} failed while {doing}:\n{msg.traceback}")
                     return msg
             except (EOFError, OSError):
-                pass  # that scheduler is gone (its end of the pipe closed): its exit code says more
+                time.sleep(0.01)  # that scheduler is gone (its pipe is at EOF): its exit code comes in a moment
             if dead:
-                raise HarnessError(f"{self.kind}: scheduler(s) exited while {doing}: "
-                                   + ", ".join(f"{r} (pid {self.procs[r].pid}) with {c}" for r, c in dead.items()))
+                # the reason may wait on the other pipe: D failed its start while we waited for P's "ready"
+                raise self._failed(dead) or HarnessError(
+                    f"{self.kind}: scheduler(s) exited while {doing}: "
+                    + ", ".join(f"{r} (pid {self.procs[r].pid}) with {c}" for r, c in dead.items()))
             if time.monotonic() > deadline:
                 raise HarnessError(f"{self.kind}: no answer within {timeout:g} s while {doing}")
 
+    def _send(self, role: str, msg, doing: str) -> None:
+        try:
+            self.conns[role].send(msg)
+        except OSError as e:  # its end of the pipe is closed: it exited (or is exiting)
+            self.procs[role].join(5)
+            raise self._failed([role]) or HarnessError(
+                f"{self.kind}: scheduler {role} is gone while {doing} ({e}; exit code {self.procs[role].exitcode})")
+
     def request(self, rid: str, n: int) -> dict:
-        self.p_conn.send(("store", rid, n))
+        self._send("P", ("store", rid, n), f"storing {rid}")
         if (got := self._answer(self.p_conn, 60, f"storing {rid}")) != "stored":
             raise HarnessError(f"{self.kind}: the producer answered {got!r} to a store")
-        self.d_conn.send(("fetch", rid, n, self.pport))
+        self._send("D", ("fetch", rid, n, self.pport), f"fetching {rid}")
         out = self._answer(self.d_conn, 120, f"fetching {rid}")  # the fetch itself gives up after 60 s
         if not out["ok"]:  # a contender that does not deliver has no throughput to compare
             raise HarnessError(f"{self.kind}: request {rid}: the consumer's lookups ended {out['results']} after "
                                f"{out['s']:.3f} s ({out['passes']} passes): want every key HIT with the right bytes")
-        self.p_conn.send(("drain",))
+        self._send("P", ("drain",), f"draining {rid}")
         prod = self._answer(self.p_conn, 60, f"draining {rid}")
         out["producer_calls"] = prod["calls"]
         out["producer_off_thread_s"] = prod["off_thread_s"]
@@ -417,32 +448,33 @@ class Pair:
     def close(self) -> None:
         """Quit both (bounded), kill what did not exit, and unlink the region file of any scheduler that did not
         exit cleanly (ours: its worker sees the adapter gone and removes its own files)."""
-        for c in (self.p_conn, self.d_conn):
-            try:
-                c.send(("quit",))
-            except (OSError, EOFError, ValueError):
-                pass  # that scheduler is gone already
         deadline = time.monotonic() + 60
-        for c in (self.p_conn, self.d_conn):
-            try:  # its "closed" comes after mgr.shutdown(); stop waiting as soon as it exits
-                while time.monotonic() < deadline and not c.poll(0.05):
-                    if all(p.exitcode is not None for p in self.procs.values() if p.pid is not None):
-                        break
-                if c.poll(0):
-                    c.recv()
-            except (OSError, EOFError):
-                pass
-        for role, p in self.procs.items():
-            if p.pid is None:
-                continue  # never started
-            p.join(max(0.0, deadline - time.monotonic()) + 1)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-            if p.exitcode != 0:
-                region_path(self.kind, role, p.pid).unlink(missing_ok=True)
-        for c in (self.p_conn, self.d_conn):
-            c.close()
+        try:
+            for c in self.conns.values():
+                with contextlib.suppress(OSError, ValueError):  # that scheduler is gone already
+                    c.send(("quit",))
+            started = [p for p in self.procs.values() if p.pid is not None]
+            for c in self.conns.values():
+                try:  # its "closed" comes after mgr.shutdown(); stop waiting as soon as every one exited
+                    while time.monotonic() < deadline and not c.poll(0.05):
+                        if all(p.exitcode is not None for p in started):
+                            break
+                    if c.poll(0):
+                        c.recv()
+                except (OSError, EOFError):
+                    pass
+        finally:  # also after a second Ctrl-C above: nothing left running, no region file left
+            for role, p in self.procs.items():
+                if p.pid is None:
+                    continue  # never started
+                p.join(max(0.0, deadline - time.monotonic()) + 1)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+                if p.exitcode != 0:
+                    region_path(self.kind, role, p.pid).unlink(missing_ok=True)
+            for c in self.conns.values():
+                c.close()
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -506,7 +538,10 @@ def main() -> None:
         _check_intree_nixl()
 
     results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {}}
-    hog = mp.get_context("spawn").Process(target=_spin, daemon=True) if a.hog else None
+    # `timeout` or a service manager stops us with SIGTERM: unwind like Ctrl-C, so every finally below runs (the
+    # open pair is closed, the hog stopped) instead of leaving schedulers and a spinning hog behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("pd_tier: terminated (SIGTERM)"))
+    hog = mp.get_context("spawn").Process(target=_spin, args=(os.getpid(),), daemon=True) if a.hog else None
     if hog is not None:
         hog.start()
     tiers = a.tiers.split(",")
@@ -528,9 +563,9 @@ def main() -> None:
         if hog is not None:
             hog.kill()
             hog.join(5)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if a.json:  # what was measured before a failure is kept
+            with open(a.json, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 def _check_intree_nixl() -> None:
@@ -545,9 +580,11 @@ def _check_intree_nixl() -> None:
                  f"it beside the build setup.sh put there: {sys.executable} -m pip install 'nixl>=1.5,<2'")
 
 
-def _spin() -> None:
-    while True:
-        pass
+def _spin(parent: int) -> None:
+    """The busy neighbour: a pure-Python spin that also ends when its parent is gone (even SIGKILLed)."""
+    while os.getppid() == parent:
+        for _ in range(1_000_000):  # ~20-50 ms of spinning between checks
+            pass
 
 
 def _report(results: dict, blocks: dict[str, list[list[dict]]], row: int, n: int) -> None:
