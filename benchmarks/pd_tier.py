@@ -576,8 +576,8 @@ def _check_intree_nixl() -> None:
     try:
         importlib.import_module("nixl._api")
     except ImportError as e:
-        sys.exit(f"pd_tier: vLLM's in-tree p2p tier needs NIXL's meta package (it imports nixl._api: {e}); install "
-                 f"it beside the build setup.sh put there: {sys.executable} -m pip install 'nixl>=1.5,<2'")
+        sys.exit(f"pd_tier: vLLM's in-tree p2p tier needs NIXL's meta package (it imports nixl._api: {e}); "
+                 f"scripts/setup.sh --bench installs it, or: {sys.executable} -m pip install 'nixl>=1.5,<2'")
 
 
 def _spin(parent: int) -> None:

