@@ -151,7 +151,7 @@ for (_, PS, PW), (_, DS, DW) in blocks():
         cnt("D worker sleep (asleep us, timeout us, woke-before-rx us) before Offer rx",
             (round(sb[0]), sb[1], round(sb[2])))
         add("D worker Offer decoded -> copy start", c0[0] - ddec[0])
-        add("D worker copy (1 MiB memmove)", c1[0] - c0[0])
+        add("D worker copy (the piece's memmoves)", c1[0] - c0[0])
         add("D worker copy end -> read_result", rr[0] - c1[0])
         add("  D worker: Offer decoded -> copy start CPU", cpu(c0) - cpu(ddec))
         r0 = first(DW, ddec[0], t_end, "S1", "receive")

@@ -83,7 +83,7 @@ def install(w):
     cp0 = samehost.Copier.copy
 
     def copy(self, source, runs):
-        rec("copy0", int(runs[:, 2].sum()))
+        rec("copy0", int(runs[:, 2].sum()), "runs=%d" % len(runs))
         try:
             return cp0(self, source, runs)
         finally:
