@@ -51,6 +51,16 @@ TIER_METHODS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "o
                 "take_events", "get_stats")
 
 
+_TERM = {"closing": 0, "pending": False}  # a SIGTERM that arrives while a pair closes waits for its cleanup
+
+
+def _on_sigterm(*_) -> None:
+    if _TERM["closing"]:
+        _TERM["pending"] = True  # Pair.close exits once every scheduler is stopped and its files are gone
+        return
+    sys.exit("pd_tier: terminated (SIGTERM)")  # unwind like Ctrl-C: every finally runs (the open pair is closed)
+
+
 class HarnessError(RuntimeError):
     """A scheduler process failed, died or did not answer in time: the run ends with this, never waits on."""
 
@@ -344,10 +354,12 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
             conn.send(Failed(role, traceback.format_exc()))  # in place of the answer the parent waits for
         raise
     finally:
-        if TR is not None:
-            _hop_dump(TR, role)
-        del view
-        mgr.shutdown()
+        try:
+            if TR is not None:
+                _hop_dump(TR, role)
+        finally:
+            del view
+            mgr.shutdown()
         with contextlib.suppress(OSError):
             conn.send("closed")
 
@@ -447,7 +459,18 @@ class Pair:
 
     def close(self) -> None:
         """Quit both (bounded), kill what did not exit, and unlink the region file of any scheduler that did not
-        exit cleanly (ours: its worker sees the adapter gone and removes its own files)."""
+        exit cleanly (ours: its worker sees the adapter gone and removes its own files).  A SIGTERM meanwhile is
+        acted on after that."""
+        _TERM["closing"] += 1
+        try:
+            self._stop()
+        finally:
+            _TERM["closing"] -= 1
+        if _TERM["pending"] and not _TERM["closing"]:
+            _TERM["pending"] = False
+            sys.exit("pd_tier: terminated (SIGTERM)")
+
+    def _stop(self) -> None:
         deadline = time.monotonic() + 60
         try:
             for c in self.conns.values():
@@ -461,9 +484,9 @@ class Pair:
                             break
                     if c.poll(0):
                         c.recv()
-                except (OSError, EOFError):
+                except Exception:  # EOF, or a stream left mid-message by an interrupted read: we only wait here
                     pass
-        finally:  # also after a second Ctrl-C above: nothing left running, no region file left
+        finally:  # also after a Ctrl-C above: nothing left running, no region file left
             for role, p in self.procs.items():
                 if p.pid is None:
                     continue  # never started
@@ -540,7 +563,7 @@ def main() -> None:
     results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {}}
     # `timeout` or a service manager stops us with SIGTERM: unwind like Ctrl-C, so every finally below runs (the
     # open pair is closed, the hog stopped) instead of leaving schedulers and a spinning hog behind
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("pd_tier: terminated (SIGTERM)"))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     hog = mp.get_context("spawn").Process(target=_spin, args=(os.getpid(),), daemon=True) if a.hog else None
     if hog is not None:
         hog.start()
@@ -577,7 +600,8 @@ def _check_intree_nixl() -> None:
         importlib.import_module("nixl._api")
     except ImportError as e:
         sys.exit(f"pd_tier: vLLM's in-tree p2p tier needs NIXL's meta package (it imports nixl._api: {e}); "
-                 f"scripts/setup.sh --bench installs it, or: {sys.executable} -m pip install 'nixl>=1.5,<2'")
+                 f"scripts/setup.sh --bench installs it, or: {sys.executable} -m pip install 'nixl==V' with V the "
+                 f"version of the nixl-cu13 there (the meta package pins its builds to its own version)")
 
 
 def _spin(parent: int) -> None:

@@ -7,6 +7,11 @@
 #                              NIXL's meta package `nixl` (vLLM's in-tree p2p tier imports nixl._api)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-}
+case "$MODE" in
+  ""|--vllm|--bench) ;;
+  *) echo "usage: scripts/setup.sh [--vllm|--bench]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 pipq() { "$1"/bin/python -m pip install -q "${@:2}"; }
 # NIXL's build for the CUDA major of the environment (README "Install into a vLLM image"): cu13 matches
@@ -36,7 +41,6 @@ pipq .venv -e ".[$NIXL_EXTRA,test,deploy]"
 line=$(.venv/bin/python -c 'import p2pworker, torch, zmq; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("p2pworker", p2pworker.__version__, "| torch", torch.__version__, "| pyzmq", zmq.__version__)')
 echo "setup: $line"
 
-MODE=${1:-}
 if [ "$MODE" = "--vllm" ] || [ "$MODE" = "--bench" ]; then
   # vLLM 0.33 (CUDA build; its scheduler side runs on the CPU; pins torch 2.14.0)
   if ! .venv-vllm033/bin/python -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.33.0")' 2>/dev/null; then
@@ -56,14 +60,17 @@ if [ "$MODE" = "--vllm" ] || [ "$MODE" = "--bench" ]; then
   fi
   install_into_vllm .venv-vllmcpu032
   for v in .venv-vllm033 .venv-vllmcpu032; do
-    line=$("$v"/bin/python -c 'import vllm, torch, vllm_adapter.tier; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>&1 | tail -n 1)
+    line=$("$v"/bin/python -c 'import vllm, torch, vllm_adapter.tier; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>&1 | tail -n 1 || true)
     case "$line" in vllm\ *) echo "setup: $v: $line" ;; *) echo "setup: $v: import check failed: $line" >&2; exit 1 ;; esac
   done
 fi
 
 if [ "$MODE" = "--bench" ]; then
   # The tests do not need it; without it the in-tree tier starts, then misses every fetch (pd_tier stops first).
-  pipq .venv-vllm033 "nixl>=1.5,<2"
-  line=$(.venv-vllm033/bin/python -c 'import nixl._api as a; print("nixl._api from", a.__file__.split("site-packages/")[-1])' 2>&1 | tail -n 1)
+  # pinned to the nixl-cu13 already there: the meta package pins its builds to its own version, so a newer one would
+  # replace the build p2pworker was installed (and checked) with
+  ver=$(.venv-vllm033/bin/python -c 'import importlib.metadata as m; print(m.version("nixl-cu13"))')
+  pipq .venv-vllm033 "nixl==$ver"
+  line=$(.venv-vllm033/bin/python -c 'import nixl._api as a; print("nixl._api from", a.__file__.split("site-packages/")[-1])' 2>&1 | tail -n 1 || true)
   case "$line" in nixl._api\ *) echo "setup: .venv-vllm033: $line" ;; *) echo "setup: .venv-vllm033: nixl._api does not import: $line" >&2; exit 1 ;; esac
 fi

@@ -8,6 +8,7 @@ import glob
 import importlib
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import time
@@ -36,9 +37,11 @@ def pair_pids(monkeypatch):
 
 def _footprint(ids: list[str]) -> tuple[set[str], set[int]]:
     """What those schedulers own: every name carries the engine id (vLLM's region file, our worker's rings and
-    admin socket, our worker's ``--name``); nothing else (a benchmark or suite running beside this test) counts."""
-    files = {n for n in os.listdir("/dev/shm") if any(i in n for i in ids)}
-    files |= {f for f in glob.glob("/tmp/p2pworker-*.admin") if any(i in f for i in ids)}
+    admin socket, our worker's ``--name``); nothing else (a benchmark or suite running beside this test) counts.
+    The id ends in the scheduler's pid, so it must not be followed by another digit (pid 123 is not pid 1234)."""
+    own = re.compile("|".join(re.escape(i) + r"(?!\d)" for i in ids))
+    files = {n for n in os.listdir("/dev/shm") if own.search(n)}
+    files |= {f for f in glob.glob("/tmp/p2pworker-*.admin") if own.search(f)}
     workers = set()
     for d in glob.glob("/proc/[0-9]*"):
         try:
@@ -46,7 +49,7 @@ def _footprint(ids: list[str]) -> tuple[set[str], set[int]]:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "launch" in argv and any(i in x for x in argv for i in ids):
+        if "launch" in argv and any(own.search(x) for x in argv):
             workers.add(int(d[6:]))
     return files, workers
 
@@ -75,7 +78,8 @@ def test_a_scheduler_that_cannot_bind_its_port_ends_the_pair_with_its_traceback(
         with pytest.raises(HarnessError) as err:
             # ours retries a port that may still be held by a predecessor until start_timeout_s (120 s by default)
             Pair(kind, ROW, N, ports=(free_port(), squatter.getsockname()[1]),
-                 tier_extra={"D": {"start_timeout_s": 5}} if kind == "ours" else None)
+                 # long enough for D's worker to start and report the bind error (what the message names)
+                 tier_extra={"D": {"start_timeout_s": 30}} if kind == "ours" else None)
         took = time.monotonic() - t0
     # D's own traceback, also when D exited while the harness was still waiting for P's "ready"
     assert "scheduler D failed" in str(err.value)
@@ -122,10 +126,14 @@ def test_a_fetch_that_does_not_end_all_hit_ends_the_run():
     pair.procs = {"P": _Alive(), "D": _Alive()}
     p_end.send("stored")
     d_end.send({"s": 0.003, "ok": False, "results": ["MISS"], "passes": 1})
-    with pytest.raises(HarnessError, match=r"request r: the consumer's lookups ended \['MISS'\]"):
-        pair.request("r", N)
-    assert p_end.recv() == ("store", "r", N) and d_end.recv() == ("fetch", "r", N, 1)
-    assert not p_end.poll(0)  # no drain was asked: the run ends at the miss
+    try:
+        with pytest.raises(HarnessError, match=r"request r: the consumer's lookups ended \['MISS'\]"):
+            pair.request("r", N)
+        assert p_end.recv() == ("store", "r", N) and d_end.recv() == ("fetch", "r", N, 1)
+        assert not p_end.poll(0)  # no drain was asked: the run ends at the miss
+    finally:
+        for c in (pair.p_conn, pair.d_conn, p_end, d_end):
+            c.close()
 
 
 def test_the_intree_contender_without_nixls_meta_package_stops_the_run_at_once(monkeypatch):
@@ -137,5 +145,5 @@ def test_the_intree_contender_without_nixls_meta_package_stops_the_run_at_once(m
         return real(name, *a, **k)
 
     monkeypatch.setattr("importlib.import_module", no_meta)
-    with pytest.raises(SystemExit, match=r"in-tree p2p tier needs NIXL's meta package .* pip install 'nixl>=1.5,<2'"):
+    with pytest.raises(SystemExit, match=r"in-tree p2p tier needs NIXL's meta package .* scripts/setup.sh --bench"):
         pd_tier._check_intree_nixl()
