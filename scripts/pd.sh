@@ -78,13 +78,17 @@ EOF
 }
 
 start_engine() {  # role http_port p2p_port extra_env worker_metrics_port host
-  local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 host=$6 engine_id cfg
+  local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 host=$6 engine_id cfg rpc
   engine_id="p2pw-$role-$$-$RANDOM"  # $RANDOM: pids repeat across PID namespaces (emulated hosts)
   cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host" "$SAME_HOST")
   echo "$cfg" > "$RUN_DIR/$role.kv.json"
   echo "$engine_id" > "$RUN_DIR/$role.engine_id"
+  # vLLM's ZMQ ipc sockets (VLLM_RPC_BASE_PATH, else $TMPDIR: /tmp) outlive a SIGTERMed engine (an e2e run left 56 in
+  # /tmp): each engine gets its own directory, removed at stop.  Short, under /tmp: a socket path has 108 bytes.
+  rpc=$(mktemp -d "/tmp/p2pw-pd-$role.XXXXXX")
+  echo "$rpc" > "$RUN_DIR/$role.rpc_dir"
   # shellcheck disable=SC2086  # VLLM_ARGS and extra_env are word lists on purpose
-  env HF_HUB_OFFLINE=1 P2PWORKER_SECRET="$P2PWORKER_SECRET" $extra_env \
+  env HF_HUB_OFFLINE=1 P2PWORKER_SECRET="$P2PWORKER_SECRET" VLLM_RPC_BASE_PATH="$rpc" $extra_env \
     setsid "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "${SERVED_NAME:-$MODEL}" \
       --host "$host" --port "$http" --kv-transfer-config "$cfg" --shutdown-timeout 10 ${VLLM_ARGS:-} \
       > "$RUN_DIR/$role.log" 2>&1 < /dev/null &
@@ -112,11 +116,19 @@ wait_health() {  # role url
   return 1
 }
 
+remove_rpc_dir() {  # role: the engine's ipc socket directory (start_engine), once nothing of it runs
+  local f="$RUN_DIR/$1.rpc_dir" dir
+  [ -f "$f" ] || return 0
+  dir=$(cat "$f")
+  case "$dir" in /tmp/p2pw-pd-"$1".*) rm -rf -- "$dir" ;; esac  # only what start_engine made
+  rm -f "$f"
+}
+
 stop_role() {  # TERM the leader (vLLM shuts its engine core and our worker down in order), then KILL the group
   local role=$1 pid deadline t0=$SECONDS
   pid=$(pidof_role "$role")
   rm -f "$RUN_DIR/$role.pid"
-  alive "$pid" || return 0
+  alive "$pid" || { remove_rpc_dir "$role"; return 0; }
   kill -TERM "$pid" 2>/dev/null || true
   deadline=$((SECONDS + STOP_TIMEOUT_S))
   while alive "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
@@ -131,6 +143,7 @@ stop_role() {  # TERM the leader (vLLM shuts its engine core and our worker down
     echo "pd.sh: $role leftovers in group $pid: $(pgrep -g "$pid" | tr '\n' ' '); killing" >&2
     kill -KILL -- "-$pid" 2>/dev/null || true
   fi
+  remove_rpc_dir "$role"
   echo "pd.sh: $role stopped in $((SECONDS - t0)) s" >&2
 }
 

@@ -123,6 +123,14 @@ class PD:
         with open(os.path.join(self.role_dirs.get(role, self.run_dir), f"{role}.engine_id")) as f:
             return f.read().strip()
 
+    def rpc_dir(self, role: str) -> str | None:
+        """The directory pd.sh gave that engine for vLLM's ZMQ ipc sockets (VLLM_RPC_BASE_PATH); None once stopped."""
+        try:
+            with open(os.path.join(self.role_dirs.get(role, self.run_dir), f"{role}.rpc_dir")) as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return None
+
     def worker_pids(self, role: str) -> list[int]:
         """The p2pworker process(es) the given engine's tier spawned."""
         tag = f"--name vllm-{self.engine_id(role)}".encode()
@@ -169,10 +177,11 @@ def running(pair: PD, on_stop=None, starts=(("start",),)):
     try:
         yield pair
     finally:
+        rpc = [d for role in ("prefill", "decode") if (d := pair.rpc_dir(role))]
         p = pair.script("stop", timeout_s=120)
         if on_stop is not None:
             on_stop(pair)
-        left = pair.leftovers()
+        left = pair.leftovers() + [f"{d} (vLLM's ipc sockets)" for d in rpc if os.path.exists(d)]
         assert p.returncode == 0 and not left, f"pd.sh stop rc={p.returncode}, leftovers {left}:\n{p.stderr}"
         assert "killing" not in p.stderr, f"an engine did not stop within the bound:\n{p.stderr}"
 

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -209,6 +210,16 @@ def test_every_metric_the_dashboard_queries_is_exported(pd):
     names = sorted({n for n, _ in queried})
     print(f"dashboard: {len(dash['panels'])} panels, {len(queried)} queried series of {len(names)} metrics, all "
           f"exported: {names}")
+
+
+def test_vllms_ipc_sockets_live_in_the_engines_own_directory(pd):
+    """A SIGTERMed `vllm serve` leaves its ZMQ ipc sockets behind (an e2e run left 56 in /tmp): pd.sh gives each
+    engine its own VLLM_RPC_BASE_PATH and removes it at stop (checked gone by `running` after the stop)."""
+    for role in ("prefill", "decode"):
+        d = pd.rpc_dir(role)
+        assert d and d.startswith(f"/tmp/p2pw-pd-{role}."), d
+        socks = [n for n in os.listdir(d) if stat.S_ISSOCK(os.stat(os.path.join(d, n)).st_mode)]
+        assert socks, f"{role}: vLLM made no ipc socket in {d}: is VLLM_RPC_BASE_PATH still what it reads?"
 
 
 def test_each_role_listens_where_pd_sh_was_told(pd):
