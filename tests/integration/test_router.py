@@ -497,7 +497,9 @@ async def _wave(port: int, n: int, tag: str, during=None) -> tuple[int, list[str
         async with session.post(f"http://127.0.0.1:{port}/v1/completions",
                                 json={"prompt": f"{tag}-{i}", "stream": True}) as resp:
             body = await resp.read()
-            if resp.status != 200 or not body.endswith(b"data: [DONE]\n\n"):
+            if resp.status != 200:
+                raise AssertionError(f"HTTP {resp.status}: {body[:300]!r}")
+            if not body.endswith(b"data: [DONE]\n\n"):
                 raise AssertionError(f"HTTP {resp.status}, ends {body[-40:]!r}")
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -513,7 +515,9 @@ async def _wave(port: int, n: int, tag: str, during=None) -> tuple[int, list[str
 def test_200_streaming_clients_an_upstream_killed_mid_wave_bounded_memory(fleet):
     """200 concurrent streaming clients through 2 prefill + 2 decode; a prefill engine killed mid-wave costs no
     request (decode recomputes or the other prefill takes it); the router's memory stays flat over waves; a decode
-    engine killed mid-wave cuts only the streams it was serving, and the next wave is whole."""
+    engine killed mid-wave fails only the requests it was serving (a stream it had started is cut; one whose headers
+    had not come back gets a 502 naming it: the router does not send a decode leg that may have run again), and the
+    next wave is whole."""
     pres = [fleet.engine(f"p{i}") for i in (1, 2)]
     decs = [fleet.engine(f"d{i}", tokens=10, token_delay=0.05) for i in (1, 2)]
     workers = [fleet.worker() for _ in pres]
@@ -543,12 +547,18 @@ def test_200_streaming_clients_an_upstream_killed_mid_wave_bounded_memory(fleet)
     assert max(rss) - rss[1] < 25, f"router RSS over waves (MiB): {rss}"
 
     async def kill_decode():
-        await asyncio.sleep(0.2)  # every stream has started (10 tokens 50 ms apart: 0.5 s each)
+        # most streams have started by then (10 tokens 50 ms apart: 0.5 s each); on a loaded box some have not
+        await asyncio.sleep(0.2)
         decs[1].kill()
 
     ok, errors = asyncio.run(_wave(r.port, 200, "kill-decode", kill_decode()))
     assert 0 < len(errors) <= 120 and ok >= 80, (ok, errors[:3])  # least-in-flight: about half were on d2
-    assert all("ClientPayloadError" in e or "TransferEncodingError" in e for e in errors), errors[:3]
+    cut = [e for e in errors if "ClientPayloadError" in e or "TransferEncodingError" in e]
+    # before its headers: the router's 502 names the killed instance (what it says of any instance that broke)
+    refused = [e for e in errors if "HTTP 502" in e and f"decode instance failed: {decs[1].url[7:]}:" in e]
+    other = [e for e in errors if e not in cut and e not in refused]
+    assert not other, other[:5]  # the ones that are neither, not the first three of all
     assert asyncio.run(_wave(r.port, 200, "after")) == (200, [])
     print(f"router RSS MiB per wave {[round(x, 1) for x in rss]}; prefill legs cut by the kill {cut_prefill:.0f}; "
-          f"streams cut by the decode kill {len(errors)}")
+          f"requests failed by the decode kill {len(errors)} ({len(cut)} streams cut, {len(refused)} 502 before "
+          f"headers)")
