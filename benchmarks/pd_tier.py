@@ -377,9 +377,8 @@ class Pair:
         ctx = mp.get_context("spawn")
         self.kind = kind
         self.pport, dport = ports or free_ports(2)
-        self.p_conn, a = ctx.Pipe()
-        self.d_conn, b = ctx.Pipe()
-        self.conns = {"P": self.p_conn, "D": self.d_conn}
+        (p_conn, a), (d_conn, b) = ctx.Pipe(), ctx.Pipe()
+        self.conns = {"P": p_conn, "D": d_conn}  # the parent's end of each scheduler's pipe
         extra = tier_extra or {}
         cap = num_chunks * 2 + 8
         self.procs = {"P": ctx.Process(target=_serve, args=(kind, "P", self.pport, row, cap, a, 0, extra.get("P")),
@@ -394,26 +393,30 @@ class Pair:
                 a.close()  # the children hold their ends now: ours closed, a dead child's pipe reads as EOF
                 b.close()
             deadline = time.monotonic() + self.START_S
-            for role, c in self.conns.items():
-                got = self._answer(c, deadline - time.monotonic(), f"starting (bound {self.START_S:g} s)")
+            for role in self.conns:
+                got = self._answer(role, deadline - time.monotonic(), f"starting (bound {self.START_S:g} s)")
                 if got != "ready":
                     raise HarnessError(f"{kind}: scheduler {role} answered {got!r} at start, not 'ready'")
         except BaseException:
             self.close()
             raise
 
-    def _failed(self, roles) -> HarnessError | None:
+    def _error(self, failed: Failed, doing: str) -> HarnessError:
+        return HarnessError(f"{self.kind}: scheduler {failed.role} failed while {doing}:\n{failed.traceback}")
+
+    def _failed(self, roles, doing: str) -> HarnessError | None:
         """The first ``Failed`` waiting on those roles' pipes (a scheduler sends it just before it exits)."""
         for r in roles:
             try:
                 if self.conns[r].poll(0) and isinstance(msg := self.conns[r].recv(), Failed):
-                    return HarnessError(f"{self.kind}: scheduler {msg.role} failed:\n{msg.traceback}")
+                    return self._error(msg, doing)
             except (EOFError, OSError):
                 pass
         return None
 
-    def _answer(self, conn, timeout: float, doing: str):
-        """The next message on ``conn``; a ``Failed``, a scheduler's exit or ``timeout`` raise HarnessError."""
+    def _answer(self, role: str, timeout: float, doing: str):
+        """The next message from ``role``; a ``Failed``, a scheduler's exit or ``timeout`` raise HarnessError."""
+        conn = self.conns[role]
         deadline = time.monotonic() + timeout
         while True:
             # checked before the read: a scheduler's Failed, sent just before it exited, is still read (once)
@@ -422,13 +425,13 @@ class Pair:
                 if conn.poll(0 if dead else 0.05):
                     msg = conn.recv()
                     if isinstance(msg, Failed):
-                        raise HarnessError(f"{self.kind}: scheduler {msg.role} failed while {doing}:\n{msg.traceback}")
+                        raise self._error(msg, doing)
                     return msg
             except (EOFError, OSError):
                 time.sleep(0.01)  # that scheduler is gone (its pipe is at EOF): its exit code comes in a moment
             if dead:
                 # the reason may wait on the other pipe: D failed its start while we waited for P's "ready"
-                raise self._failed(dead) or HarnessError(
+                raise self._failed(dead, doing) or HarnessError(
                     f"{self.kind}: scheduler(s) exited while {doing}: "
                     + ", ".join(f"{r} (pid {self.procs[r].pid}) with {c}" for r, c in dead.items()))
             if time.monotonic() > deadline:
@@ -439,20 +442,20 @@ class Pair:
             self.conns[role].send(msg)
         except OSError as e:  # its end of the pipe is closed: it exited (or is exiting)
             self.procs[role].join(5)
-            raise self._failed([role]) or HarnessError(
+            raise self._failed([role], doing) or HarnessError(
                 f"{self.kind}: scheduler {role} is gone while {doing} ({e}; exit code {self.procs[role].exitcode})")
 
     def request(self, rid: str, n: int) -> dict:
         self._send("P", ("store", rid, n), f"storing {rid}")
-        if (got := self._answer(self.p_conn, 60, f"storing {rid}")) != "stored":
+        if (got := self._answer("P", 60, f"storing {rid}")) != "stored":
             raise HarnessError(f"{self.kind}: the producer answered {got!r} to a store")
         self._send("D", ("fetch", rid, n, self.pport), f"fetching {rid}")
-        out = self._answer(self.d_conn, 120, f"fetching {rid}")  # the fetch itself gives up after 60 s
+        out = self._answer("D", 120, f"fetching {rid}")  # the fetch itself gives up after 60 s
         if not out["ok"]:  # a contender that does not deliver has no throughput to compare
             raise HarnessError(f"{self.kind}: request {rid}: the consumer's lookups ended {out['results']} after "
                                f"{out['s']:.3f} s ({out['passes']} passes): want every key HIT with the right bytes")
         self._send("P", ("drain",), f"draining {rid}")
-        prod = self._answer(self.p_conn, 60, f"draining {rid}")
+        prod = self._answer("P", 60, f"draining {rid}")
         out["producer_calls"] = prod["calls"]
         out["producer_off_thread_s"] = prod["off_thread_s"]
         return out

@@ -120,9 +120,8 @@ class _Alive:
 def test_a_fetch_that_does_not_end_all_hit_ends_the_run():
     pair = Pair.__new__(Pair)  # the request protocol alone: the test plays both schedulers
     pair.kind, pair.pport = "intree", 1
-    pair.p_conn, p_end = mp.Pipe()
-    pair.d_conn, d_end = mp.Pipe()
-    pair.conns = {"P": pair.p_conn, "D": pair.d_conn}
+    (p_conn, p_end), (d_conn, d_end) = mp.Pipe(), mp.Pipe()
+    pair.conns = {"P": p_conn, "D": d_conn}
     pair.procs = {"P": _Alive(), "D": _Alive()}
     p_end.send("stored")
     d_end.send({"s": 0.003, "ok": False, "results": ["MISS"], "passes": 1})
@@ -132,7 +131,7 @@ def test_a_fetch_that_does_not_end_all_hit_ends_the_run():
         assert p_end.recv() == ("store", "r", N) and d_end.recv() == ("fetch", "r", N, 1)
         assert not p_end.poll(0)  # no drain was asked: the run ends at the miss
     finally:
-        for c in (pair.p_conn, pair.d_conn, p_end, d_end):
+        for c in (p_conn, d_conn, p_end, d_end):
             c.close()
 
 
