@@ -172,6 +172,11 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
             for s in st["sessions"]:  # why a link does not copy on this host: what an operator asks first
                 if s.get("data_path_why"):
                     click.echo(f"  {s['link']}: {s['data_path']}, not same_host: {s['data_path_why']}")
+                pf = s.get("peer_region_prefault")
+                if pf and pf["state"] != "done":  # copies out of pages not yet mapped here fault (slower, same bytes)
+                    click.echo(f"  {s['link']}: peer region pre-fault {pf['state']}, "
+                               f"{pf['scanned_bytes'] >> 20} of {pf['nbytes'] >> 20} MiB walked"
+                               + (f": {pf['error']}" if pf["error"] else ""))
         click.echo("")
     if failed:
         click.echo(f"{len(failed)} of {len(out)} worker(s) did not answer", err=True)

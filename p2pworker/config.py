@@ -60,7 +60,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     passive_burst_s: NonNeg = 1.0
     passive_burst_poll_s: Pos = 0.0002
     shutdown_timeout_s: Pos = 10.0  # bound on draining in-flight transfers at shutdown
-    prefault: bool = True  # pre-fault the region's page tables at attach (MAP_POPULATE)
+    # pre-fault page tables: our region at attach (MAP_POPULATE), and a same-host peer's region, once mapped, on a
+    # background thread (its pages in memory only; p2pworker.shm.prefault)
+    prefault: bool = True
     wait_rings_s: NonNeg = 0.0  # operator-launched worker: wait this long for the adapter to create the rings
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)

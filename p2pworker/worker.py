@@ -655,7 +655,7 @@ class Worker:
             data = make_data_transport(
                 region, backend=cfg.data.backend, agent_name=f"{cfg.name}-{ctl.node_id}", host=cfg.control.host,
                 max_piece_bytes=cfg.data.max_piece_bytes, post_budget_bytes=cfg.data.post_budget_bytes,
-                same_host=cfg.data.same_host, copy_threads=cfg.data.copy_threads,
+                same_host=cfg.data.same_host, copy_threads=cfg.data.copy_threads, prefault_peers=cfg.prefault,
             )
         except BaseException:
             if "ctl" in locals():
@@ -1062,7 +1062,8 @@ class Worker:
         """How a session's reads move (inspect): "same_host" or the backend, and why not same_host."""
         got = self.data.path_of(link) if self.data is not None else None
         path, why = got if got is not None else (None, "")
-        return {"data_path": path, "data_path_why": why}
+        prefault = self.data.prefault_of(link) if self.data is not None else None
+        return {"data_path": path, "data_path_why": why, "peer_region_prefault": prefault}
 
     def _lane_state(self, link: str, s: Session) -> str:
         """Where the session's messages go (inspect): "up" (a same-host lane), "dialing", or "control link"."""

@@ -186,6 +186,10 @@ class DataTransport(abc.ABC):
         """(the path reads from ``peer_key`` take, why not the same-host path); None for an unknown key."""
         return None
 
+    def prefault_of(self, peer_key: str) -> dict | None:
+        """The background pre-fault of ``peer_key``'s same-host source (p2pworker.shm.prefault); None if none."""
+        return None
+
     def lane_server(self):
         """Our handover socket (``p2pworker.data.handover.HandoverServer``), where the peers that dialed us open
         their sessions' same-host lanes; None when we offer none."""

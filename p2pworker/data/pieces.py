@@ -111,6 +111,7 @@ class PieceTransport(DataTransport):
         post_budget_bytes: int = 16 << 20,
         same_host: bool = False,
         copy_threads: int = 1,
+        prefault_peers: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._region = region
@@ -121,6 +122,7 @@ class PieceTransport(DataTransport):
         self._same_host_info: samehost.SameHostInfo | None = None
         self._offer_tried = False
         self._copier = samehost.Copier(region, threads=copy_threads)
+        self.prefault_peers = prefault_peers  # same-host sources: populate their mapping in the background
         self._bb = region.block_bytes
         self.max_piece_bytes = max_piece_bytes
         self.post_budget_bytes = post_budget_bytes
@@ -201,7 +203,7 @@ class PieceTransport(DataTransport):
         refuses the remote: from add_peer the link is refused and the remote stays as it was; at a read the remote
         becomes UNUSABLE (PeerUnusable: no second try per read; a later link to that agent starts afresh)."""
         try:
-            remote.source = samehost.open_source(self.same_host, remote.info)
+            remote.source = samehost.open_source(self.same_host, remote.info, prefault=self.prefault_peers)
             remote.path = RemotePath.SAME_HOST
             return
         except samehost.NotSameHost as e:
@@ -241,6 +243,12 @@ class PieceTransport(DataTransport):
             case RemotePath.UNUSABLE:
                 return "unusable", peer.remote.refusal
         return self.backend, peer.remote.refusal
+
+    def prefault_of(self, peer_key: str) -> dict | None:
+        """How far the background pre-fault of this key's same-host source got (inspect); None: no such walk."""
+        peer = self._peers.get(peer_key)
+        source = peer.remote.source if peer is not None else None
+        return source.prefault_status() if source is not None else None
 
     def lane_server(self):
         return None if self._closed else self._handover

@@ -58,6 +58,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import fcntl
+import logging
 import os
 import select
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -68,7 +69,10 @@ from p2pworker.data import handover
 from p2pworker.data.base import split_runs
 from p2pworker.errors import RegionError, RegionIdentityError, TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo, RegionFile, SameHostInfo
+from p2pworker.shm.prefault import Prefault
 from p2pworker.shm.region import SHM_DIR, KVRegion, RegionHandle, Segment, file_id
+
+log = logging.getLogger(__name__)
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -133,9 +137,11 @@ class SameHostSource:
     """A peer's region mapped read-only here, and a pidfd of the worker that holds its leases.  Owned by one
     remote record of the data transport; :meth:`close` unmaps (only once nothing copies from it)."""
 
-    def __init__(self, info: PeerDataInfo, sh: SameHostInfo, timeout_s: float = handover.TIMEOUT_S) -> None:
+    def __init__(self, info: PeerDataInfo, sh: SameHostInfo, timeout_s: float = handover.TIMEOUT_S, *,
+                 prefault: bool = False) -> None:
         self.pid = 0
         self._pidfd: int | None = None
+        self._prefault: Prefault | None = None
         self._poll = select.poll()
         try:
             handed = handover.receive(sh.socket, sh.token, len(sh.files), timeout_s)
@@ -178,6 +184,14 @@ class SameHostSource:
         finally:
             handed.close_fds()  # the identity proof is done; the map holds our own descriptors
         self.address = self.region.address
+        if prefault:  # off the loop: the first copies out of a fresh mapping fault per page (p2pworker.shm.prefault)
+            try:
+                self._prefault = Prefault(*self.region.mapped, name=f"pid {self.pid}")
+            except RuntimeError as e:  # no thread to be had: copies fault as they would without it
+                log.warning("not pre-faulting the region of pid %d: %s", self.pid, e)
+
+    def prefault_status(self) -> dict | None:
+        return None if self._prefault is None else self._prefault.status()
 
     def alive(self) -> bool:
         """The peer's worker has not exited (the pidfd is not readable)."""
@@ -192,6 +206,8 @@ class SameHostSource:
 
     def close(self) -> None:
         """Unmap and drop the pidfd.  Idempotent; the caller guarantees no copy from it is running."""
+        if self._prefault is not None:
+            self._prefault.stop()  # out of the mapping before it goes (bounded; the walk writes nothing anyway)
         self._close_pidfd()
         region = getattr(self, "region", None)
         if region is not None:
@@ -226,7 +242,7 @@ def precheck(enabled: bool, info: PeerDataInfo) -> NotSameHost | None:
     return None
 
 
-def open_source(enabled: bool, info: PeerDataInfo) -> SameHostSource:
+def open_source(enabled: bool, info: PeerDataInfo, *, prefault: bool = False) -> SameHostSource:
     """The checks of the table above, in order; raises :class:`NotSameHost` naming the first that fails.  Any
     other failure while checking (peer input we did not foresee) is a refusal too: the link then uses the
     backend, and the worker lives on (invariant 3)."""
@@ -234,7 +250,7 @@ def open_source(enabled: bool, info: PeerDataInfo) -> SameHostSource:
     if early is not None:
         raise early
     try:
-        return SameHostSource(info, info.same_host)
+        return SameHostSource(info, info.same_host, prefault=prefault)
     except NotSameHost:
         raise
     except Exception as e:

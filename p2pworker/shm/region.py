@@ -270,6 +270,12 @@ class KVRegion:
         return self._base + self.handle.data_offset
 
     @property
+    def mapped(self) -> tuple[int, int]:
+        """(address, bytes) of every segment's mapping, back to back from the first page (data_offset included)."""
+        self._check_open()
+        return self._base, self.handle.mapped_bytes
+
+    @property
     def num_blocks(self) -> int:
         return self.handle.num_blocks
 

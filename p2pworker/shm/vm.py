@@ -12,6 +12,8 @@ import ctypes
 import mmap
 import os
 
+import numpy as np
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -64,3 +66,28 @@ def unmap(addr: int, nbytes: int) -> None:
 
 def round_up(nbytes: int, align: int = PAGE_BYTES) -> int:
     return (nbytes + align - 1) // align * align
+
+
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+# Linux 5.14+: fault the range's page tables in now, as reads would, without reading.  Where a read would raise
+# SIGBUS (a file shrunk under the mapping) the call fails with EFAULT instead: safe on another process's file.
+MADV_POPULATE_READ = 22
+
+
+def populate_read(addr: int, nbytes: int) -> int:
+    """Pre-fault ``[addr, addr + nbytes)`` for reading; 0, or the errno (EINVAL: a kernel before 5.14)."""
+    # ctypes drops the GIL for the call: the event loop runs on while a background thread sits in here.
+    return 0 if _libc.madvise(addr, nbytes, MADV_POPULATE_READ) == 0 else ctypes.get_errno()
+
+
+def resident(addr: int, nbytes: int):
+    """Which pages of ``[addr, addr + nbytes)`` (page-aligned) are in memory (mincore): a numpy bool per page.
+    For a file mapping that is the file's page cache, so a hole of a sparse file reads False."""
+    vec = np.zeros(-(-nbytes // PAGE_BYTES), dtype=np.uint8)
+    if _libc.mincore(addr, nbytes, vec.ctypes.data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore {addr:#x}+{nbytes}: {os.strerror(err)}")
+    return (vec & 1).astype(bool)

@@ -6,6 +6,8 @@ uses and why not the other."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.hosts.emulate import PRIVATE_PID, PRIVATE_SHM, two_hosts
@@ -82,6 +84,29 @@ def test_workers_on_one_host_copy_from_the_region_file_byte_exact(tmp_path):
         assert ("same_host", "") in paths(hosts.a) and {p for p, _ in paths(hosts.a)} <= {"same_host", "undecided"}, \
             paths(hosts.a)
         assert lanes(hosts.a) == ["up", "up"] and lanes(hosts.b) == ["up", "up"]  # a dialed b: a second lane
+
+
+def prefaults(host) -> list[dict | None]:
+    st = host.call(op="status")["status"]
+    return [s["peer_region_prefault"] for s in st["sessions"] if s["state"] == "active"]
+
+
+def test_the_consumer_prefaults_the_producers_region_in_the_background_and_not_when_turned_off(tmp_path):
+    with two_hosts("shpf", tmp_path, blocks=512, block_bytes=BLOCK, same_host=True) as hosts:
+        rep = transfer(hosts, "r-pf", list(range(4)), list(range(256, 260)), job=10)
+        assert rep["success"] and same_bytes(hosts, list(range(4)), list(range(256, 260))), rep
+        deadline = time.monotonic() + 30
+        while (got := prefaults(hosts.b)) and got[0]["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)  # 128 MiB: ~15 ms of populating here, on the worker's own thread
+        (pf,) = got
+        # the agent filled its whole region with random bytes: every page is in memory, so every page is mapped
+        assert pf["state"] == "done" and pf["populated_bytes"] == pf["nbytes"] >= 512 * BLOCK, pf
+        assert prefaults(hosts.a) == [None]  # a serves b's link and never read from b: nothing mapped, no walk
+    with two_hosts("shpfoff", tmp_path, blocks=512, block_bytes=BLOCK, same_host=True,
+                   settings={"prefault": False}) as hosts:
+        rep = transfer(hosts, "r-pf", list(range(4)), list(range(256, 260)), job=10)
+        assert rep["success"] and same_bytes(hosts, list(range(4)), list(range(256, 260))), rep
+        assert paths(hosts.b) == {("same_host", "")} and prefaults(hosts.b) == [None]
 
 
 def test_the_lane_turned_off_keeps_messages_on_the_control_link_with_the_same_bytes(tmp_path):

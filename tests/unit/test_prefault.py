@@ -1,0 +1,191 @@
+"""The background pre-fault of a peer's region (p2pworker/shm/prefault.py): only pages in memory are populated (a
+hole of the peer's sparse file is never allocated), the walk ends exactly once by the MOVES table, stop() leaves
+the mapping before it returns, and a file shrunk under the mapping ends the walk without a SIGBUS."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from p2pworker.shm import prefault as pf
+from p2pworker.shm import vm
+from p2pworker.shm.prefault import MOVES, Prefault, PrefaultState, runs_of
+
+pytestmark = pytest.mark.timeout(60)
+
+PAGE = vm.PAGE_BYTES
+
+
+@pytest.fixture
+def shm_file():
+    path = f"/dev/shm/p2pw-test-prefault-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        yield path, fd
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def rss_of(address: int) -> int:
+    """Resident bytes of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    start = f"{address:x}-"
+    with open("/proc/self/smaps") as f:
+        lines = iter(f)
+        for line in lines:
+            if line.startswith(start):
+                for field in lines:
+                    if field.startswith("Rss:"):
+                        return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def wait_end(p: Prefault) -> None:
+    p._thread.join(30)
+    assert not p._thread.is_alive()
+
+
+def test_runs_of_matches_a_page_by_page_reading():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        v = rng.random(rng.integers(0, 60)) < rng.random()
+        want, i = [], 0
+        while i < len(v):
+            if v[i]:
+                j = i
+                while j < len(v) and v[j]:
+                    j += 1
+                want.append((i, j - i))
+                i = j
+            else:
+                i += 1
+        assert runs_of(v) == want, v
+
+
+def test_only_the_pages_in_memory_are_populated_and_no_hole_is_allocated(shm_file):
+    path, fd = shm_file
+    size = 64 << 20
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as w:  # the "producer" wrote the first half and 1 page in the middle of the rest
+        a = np.frombuffer(w, np.uint8)
+        a[: size // 2] = 1
+        a[size // 2 + 40 * PAGE] = 2
+        del a
+    written = size // 2 + PAGE
+    blocks_before = os.fstat(fd).st_blocks
+    ro = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    try:
+        address = np.frombuffer(ro, np.uint8).ctypes.data
+        assert rss_of(address) == 0  # a fresh mapping: no page tables yet (the negative control of the check)
+        p = Prefault(address, size, name="test")
+        wait_end(p)
+        assert p.state is PrefaultState.DONE, p.status()
+        assert p.populated_bytes == written and p.scanned_bytes == size, p.status()
+        assert rss_of(address) == written  # mapped here now, without one read
+        assert os.fstat(fd).st_blocks == blocks_before  # the other half is still holes: nothing allocated
+        assert p.stop() and p.state is PrefaultState.DONE  # stop after the end changes nothing
+    finally:
+        ro.close()
+
+
+def test_stop_ends_the_walk_before_it_returns(shm_file, monkeypatch):
+    path, fd = shm_file
+    size = 64 << 20
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as w:
+        np.frombuffer(w, np.uint8)[::PAGE] = 1
+    monkeypatch.setattr(Prefault, "CHUNK_BYTES", PAGE)  # 16,384 rounds: still walking when stop() comes
+    ro = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    try:
+        address = np.frombuffer(ro, np.uint8).ctypes.data
+        p = Prefault(address, size)
+        deadline = time.monotonic() + 10
+        while p.populated_bytes == 0 and time.monotonic() < deadline:  # under way, so stop() cuts a walk
+            time.sleep(0.001)
+        assert p.stop(timeout_s=10)
+        assert not p._thread.is_alive()
+        assert p.state is PrefaultState.STOPPED and p.scanned_bytes < size, p.status()
+        seen = rss_of(address)  # at least what it populated (a fault maps up to 16 resident neighbours too)
+        assert 0 < p.populated_bytes <= seen < size, (p.status(), seen)
+        time.sleep(0.3)
+        assert rss_of(address) == seen  # nothing populated after stop() returned
+    finally:
+        ro.close()
+
+
+def test_a_file_shrunk_under_the_mapping_ends_the_walk_without_a_sigbus(shm_file):
+    path, fd = shm_file
+    size = 32 << 20
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as w:
+        np.frombuffer(w, np.uint8)[:] = 3
+    ro = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    try:
+        address = np.frombuffer(ro, np.uint8).ctypes.data
+        os.ftruncate(fd, size // 4)  # the peer shrank its file: touching the rest would be a SIGBUS
+        p = Prefault(address, size)
+        wait_end(p)
+        assert p.state is PrefaultState.DONE and p.populated_bytes == size // 4, p.status()
+        # and if the file shrinks between mincore and the populate, the kernel answers EFAULT: FAILED, no signal
+        assert vm.populate_read(address + size // 2, PAGE) == 14  # EFAULT
+    finally:
+        ro.close()
+
+
+def test_a_kernel_that_refuses_ends_the_walk_failed_with_the_reason(shm_file, monkeypatch):
+    path, fd = shm_file
+    os.ftruncate(fd, 4 << 20)
+    with mmap.mmap(fd, 4 << 20) as w:
+        np.frombuffer(w, np.uint8)[:] = 1
+    monkeypatch.setattr(pf.vm, "populate_read", lambda addr, n: 22)  # EINVAL: a kernel before 5.14
+    ro = mmap.mmap(fd, 4 << 20, prot=mmap.PROT_READ)
+    try:
+        p = Prefault(np.frombuffer(ro, np.uint8).ctypes.data, 4 << 20)
+        wait_end(p)
+        assert p.state is PrefaultState.FAILED and "Invalid argument" in p.error, p.status()
+        assert p.populated_bytes == 0
+    finally:
+        ro.close()
+
+
+def test_the_walk_ends_once_by_the_table():
+    assert set(MOVES) == set(PrefaultState)
+    assert MOVES[PrefaultState.RUNNING] == {PrefaultState.DONE, PrefaultState.STOPPED, PrefaultState.FAILED}
+    for end in (PrefaultState.DONE, PrefaultState.STOPPED, PrefaultState.FAILED):
+        assert not MOVES[end]  # no second end: _end asserts every move against this table
+
+
+def test_an_unaligned_address_is_refused():
+    with pytest.raises(ValueError, match="page-aligned"):
+        Prefault(PAGE + 1, PAGE)
+
+
+def test_inspect_names_a_walk_that_has_not_ended_well(monkeypatch):
+    from click.testing import CliRunner
+
+    from p2pworker import admin, cli
+
+    def session(link, pf):
+        return {"peer_id": "p", "link": link, "state": "active", "open_loads": 0, "data_path": "same_host",
+                "data_path_why": "", "lane": "up", "close_reason": "", "peer_region_prefault": pf}
+
+    walk = {"populated_bytes": 0, "scanned_bytes": 48 << 20, "nbytes": 128 << 20}
+    status = {"name": "w", "pid": 1, "state": "running", "uptime_s": 3, "address": "tcp://127.0.0.1:1",
+              "backend": "nixl", "fingerprint": "f", "jobs_in_flight": 0, "transfers_in_flight": 0, "bytes_read": 0,
+              "parked_requests": 0, "counters": {},
+              "sessions": [session("l-run", {**walk, "state": "running", "error": ""}),
+                           session("l-bad", {**walk, "state": "failed", "error": "madvise: Invalid argument"}),
+                           session("l-done", {**walk, "state": "done", "error": ""}),
+                           session("l-none", None)]}
+    monkeypatch.setattr(admin, "query", lambda path, timeout_s: status)
+    monkeypatch.setattr(cli, "_admin_paths", lambda a: ["/tmp/p2pworker-test.admin"])
+    res = CliRunner().invoke(cli.main, ["inspect"])
+    assert res.exit_code == 0, res.output
+    assert "l-run: peer region pre-fault running, 48 of 128 MiB walked\n" in res.output
+    assert "l-bad: peer region pre-fault failed, 48 of 128 MiB walked: madvise: Invalid argument" in res.output
+    assert "l-done: peer region" not in res.output and "l-none: peer region" not in res.output
