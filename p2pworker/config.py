@@ -38,6 +38,9 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True):
     # copy its rows ourselves out of a read-only map of that file; false: never (and do not offer ours)
     same_host: bool = True
     copy_threads: PosInt = 2  # threads (this one included) for a same-host copy of >= 4 MiB
+    # with same_host: map a peer's region into our page tables on a background thread once it is mapped, so the
+    # first copies out of it do not fault page by page (its pages in memory only; p2pworker.shm.prefault)
+    prefault_peers: bool = True
     # with same_host: a session we dial to a peer on this host moves its messages to a local socket once both ends
     # proved the session's key (p2pworker.control.lane); false: they stay on the control link
     lane: bool = True
@@ -60,9 +63,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     passive_burst_s: NonNeg = 1.0
     passive_burst_poll_s: Pos = 0.0002
     shutdown_timeout_s: Pos = 10.0  # bound on draining in-flight transfers at shutdown
-    # pre-fault page tables: our region at attach (MAP_POPULATE), and a same-host peer's region, once mapped, on a
-    # background thread (its pages in memory only; p2pworker.shm.prefault)
-    prefault: bool = True
+    prefault: bool = True  # pre-fault the region's page tables at attach (MAP_POPULATE)
     wait_rings_s: NonNeg = 0.0  # operator-launched worker: wait this long for the adapter to create the rings
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)

@@ -655,7 +655,8 @@ class Worker:
             data = make_data_transport(
                 region, backend=cfg.data.backend, agent_name=f"{cfg.name}-{ctl.node_id}", host=cfg.control.host,
                 max_piece_bytes=cfg.data.max_piece_bytes, post_budget_bytes=cfg.data.post_budget_bytes,
-                same_host=cfg.data.same_host, copy_threads=cfg.data.copy_threads, prefault_peers=cfg.prefault,
+                same_host=cfg.data.same_host, copy_threads=cfg.data.copy_threads,
+                prefault_peers=cfg.data.prefault_peers,
             )
         except BaseException:
             if "ctl" in locals():

@@ -69,7 +69,7 @@ from p2pworker.data import handover
 from p2pworker.data.base import split_runs
 from p2pworker.errors import RegionError, RegionIdentityError, TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo, RegionFile, SameHostInfo
-from p2pworker.shm.prefault import Prefault
+from p2pworker.shm.prefault import Prefault, walk_refusal
 from p2pworker.shm.region import SHM_DIR, KVRegion, RegionHandle, Segment, file_id
 
 log = logging.getLogger(__name__)
@@ -186,9 +186,10 @@ class SameHostSource:
         self.address = self.region.address
         if prefault:  # off the loop: the first copies out of a fresh mapping fault per page (p2pworker.shm.prefault)
             try:
-                self._prefault = Prefault(*self.region.mapped, name=f"pid {self.pid}")
-            except RuntimeError as e:  # no thread to be had: copies fault as they would without it
-                log.warning("not pre-faulting the region of pid %d: %s", self.pid, e)
+                self._prefault = Prefault(self.region.address, self.region.nbytes, name=f"pid {self.pid}",
+                                          refusal=walk_refusal(self.region.fds))
+            except Exception as e:  # no thread to be had, say: copies fault as they would without it
+                log.warning("not pre-faulting the region of pid %d: %s: %s", self.pid, type(e).__name__, e)
 
     def prefault_status(self) -> dict | None:
         return None if self._prefault is None else self._prefault.status()
@@ -206,12 +207,17 @@ class SameHostSource:
 
     def close(self) -> None:
         """Unmap and drop the pidfd.  Idempotent; the caller guarantees no copy from it is running."""
-        if self._prefault is not None:
-            self._prefault.stop()  # out of the mapping before it goes (bounded; the walk writes nothing anyway)
         self._close_pidfd()
         region = getattr(self, "region", None)
-        if region is not None:
-            region.close()
+        if region is None:
+            return
+        if self._prefault is not None and not self._prefault.stop():
+            # The walk is still inside the mapping: unmapping now could let it populate whatever is mapped at that
+            # address next.  Keep the mapping (the process's exit drops it); the walk ends on its own.
+            log.error("the pre-fault of pid %d's region did not stop within 1 s: its mapping (%d bytes) is kept",
+                      self.pid, region.nbytes)
+            return
+        region.close()
 
 
 def precheck(enabled: bool, info: PeerDataInfo) -> NotSameHost | None:

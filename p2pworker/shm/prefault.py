@@ -7,21 +7,28 @@ written, our destination pre-faulted, 16 MiB ``memmove``, 2026-12-02): 4.1-4.4 m
 the source is populated.  vLLM's region is tens of GiB in production and its rows are handed out in no order, so
 without this a consumer copies at half speed until it has read every page of the peer's region at least once.
 
-:class:`Prefault` walks the mapping on a daemon thread, ``CHUNK_BYTES`` at a time, and for each chunk asks
+:class:`Prefault` walks the rows' range on a daemon thread, ``CHUNK_BYTES`` at a time, and for each chunk asks
 which pages are in memory (``mincore``) and populates only those (``MADV_POPULATE_READ``; the GIL is released
 during both calls).  Only pages in memory: populating a hole of the peer's sparse file would allocate it, i.e.
 spend the peer's /dev/shm on rows its vLLM never wrote.  Rows the peer writes after the walk passed them fault at
 their first copy, as before.  Where a read would be a SIGBUS (the file shrunk under the mapping) the kernel
 answers EFAULT instead: the walk ends FAILED, nothing is signalled.
 
-Invariant 7: populating reads no byte and writes none; it only fills this process's page tables.  Invariant 2
-(drain, then unmap): :meth:`Prefault.stop` returns once the thread is out of the mapping, and the owner calls it
-before it unmaps (a walk still inside a range being unmapped would only get ENOMEM; the order keeps it from ever
-populating whatever is mapped at that address next).  Invariant 4: the wait in stop() is bounded.
+``mincore`` tells the truth about a file's pages only to its owner, a process that may write it, or one with
+CAP_FOWNER; anyone else is told that every page is in memory (so that it cannot watch another user's page cache),
+and populating those "resident" holes would allocate them.  :func:`walk_refusal` checks that first (owner or
+CAP_FOWNER; a writer that is neither is refused too: conservative): a refused walk is SKIPPED, never started.
 
-Costs: ~0.1 ms of one core per MiB populated (256 MiB: 27 ms here), and the page tables themselves (8 bytes per
-4 KiB page: 2 MiB per GiB of the peer's region).  ``[worker] prefault = false`` turns it off, with our own
-region's MAP_POPULATE at attach.
+Invariant 7: populating reads no byte and writes none; it only fills this process's page tables.  Invariant 2
+(drain, then unmap): :meth:`Prefault.stop` returns True once the thread is out of the mapping, and the owner
+unmaps only then; a walk that did not stop in time keeps the mapping (its owner leaves it mapped and says so),
+so the walk never populates whatever is mapped at that address next.  Invariant 4: stop() waits at most
+``timeout_s`` (one round is ~0.5 ms here), on the event loop's thread.
+
+Costs: ~0.1 ms of one core per MiB populated (256 MiB: 27 ms here), at the worker's own priority (a lower one
+could leave the event loop waiting for the GIL on a walk that the scheduler does not run), and the page tables
+themselves (8 bytes per 4 KiB page: 2 MiB per GiB of the peer's rows).  ``[data] prefault_peers = false`` turns
+it off.
 """
 
 from __future__ import annotations
@@ -37,21 +44,49 @@ from p2pworker.shm import vm
 
 log = logging.getLogger(__name__)
 
+CAP_FOWNER = 3  # capability bit: "bypass permission checks on operations that require the file's owner"
+
 
 class PrefaultState(enum.Enum):
     RUNNING = "running"
+    SKIPPED = "skipped"  # never started: mincore cannot be trusted here (walk_refusal), see ``error``
     DONE = "done"  # every page that was in memory when the walk reached it is mapped
     STOPPED = "stopped"  # stop() before the end (the mapping is going away)
     FAILED = "failed"  # the kernel refused (EINVAL: before 5.14; EFAULT: the file shrank): copies fault as before
 
 
-# The only moves: the walk ends once, one way.  Tests read this table.
+# The only moves: a walk starts RUNNING (or SKIPPED, never started) and ends once, one way.  Tests read this table.
 MOVES: dict[PrefaultState, frozenset[PrefaultState]] = {
     PrefaultState.RUNNING: frozenset({PrefaultState.DONE, PrefaultState.STOPPED, PrefaultState.FAILED}),
+    PrefaultState.SKIPPED: frozenset(),
     PrefaultState.DONE: frozenset(),
     PrefaultState.STOPPED: frozenset(),
     PrefaultState.FAILED: frozenset(),
 }
+
+
+def _has_cap(bit: int) -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        pass
+    return False
+
+
+def walk_refusal(fds) -> str:
+    """'' when ``mincore`` tells this process the truth about the files behind ``fds``; else why not."""
+    if _has_cap(CAP_FOWNER):
+        return ""
+    euid = os.geteuid()
+    for fd in fds:
+        uid = os.fstat(fd).st_uid
+        if uid != euid:
+            return (f"not the owner of the peer's file (uid {uid}, we are {euid}): mincore would call every page "
+                    f"in memory, and populating its holes would allocate them")
+    return ""
 
 
 def runs_of(resident: np.ndarray) -> list[tuple[int, int]]:
@@ -63,22 +98,25 @@ def runs_of(resident: np.ndarray) -> list[tuple[int, int]]:
 
 
 class Prefault:
-    """Populates the resident pages of ``[address, address + nbytes)`` on a daemon thread (started here)."""
+    """Populates the resident pages of ``[address, address + nbytes)`` on a daemon thread (started here), or, given
+    a ``refusal``, records why it does not (SKIPPED, no thread)."""
 
-    CHUNK_BYTES = 16 << 20  # one mincore + populate round: ~2 ms here, so stop() waits at most about that
+    CHUNK_BYTES = 4 << 20  # one mincore + populate round: ~0.5 ms here, so stop() returns about that fast
 
-    def __init__(self, address: int, nbytes: int, *, name: str = "") -> None:
-        if address % vm.PAGE_BYTES:
-            raise ValueError(f"address {address:#x} is not page-aligned")
-        self.address = address
-        self.nbytes = vm.round_up(nbytes)
+    def __init__(self, address: int, nbytes: int, *, name: str = "", refusal: str = "") -> None:
+        page = vm.PAGE_BYTES
+        start = address - address % page  # rows need not start on a page (data_offset): walk whole pages
+        self.address = start
+        self.nbytes = vm.round_up(nbytes + (address - start))
         self.scanned_bytes = 0
         self.populated_bytes = 0
-        self.error = ""
-        self.state = PrefaultState.RUNNING
+        self.error = refusal
+        self.state = PrefaultState.SKIPPED if refusal else PrefaultState.RUNNING
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"p2pw-prefault {name}".rstrip(), daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if not refusal:
+            self._thread = threading.Thread(target=self._run, name=f"p2pw-prefault {name}".rstrip(), daemon=True)
+            self._thread.start()
 
     def _end(self, state: PrefaultState, error: str = "") -> None:
         assert state in MOVES[self.state], (self.state, state)
@@ -104,14 +142,13 @@ class Prefault:
         except Exception as e:  # mincore refused (the range is not mapped): copies fault as they would anyway
             self._end(PrefaultState.FAILED, f"{type(e).__name__}: {e}")
 
-    def stop(self, timeout_s: float = 5.0) -> bool:
-        """End the walk; True once the thread is out of the mapping (call before unmapping it)."""
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        """End the walk; True once the thread is out of the mapping (only then may its owner unmap it)."""
         self._stop.set()
+        if self._thread is None:
+            return True
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.warning("prefault of %#x+%d still running after %.1f s", self.address, self.nbytes, timeout_s)
-            return False
-        return True
+        return not self._thread.is_alive()
 
     def status(self) -> dict:
         return {"state": self.state.value, "populated_bytes": self.populated_bytes,

@@ -270,10 +270,9 @@ class KVRegion:
         return self._base + self.handle.data_offset
 
     @property
-    def mapped(self) -> tuple[int, int]:
-        """(address, bytes) of every segment's mapping, back to back from the first page (data_offset included)."""
-        self._check_open()
-        return self._base, self.handle.mapped_bytes
+    def fds(self) -> tuple[int, ...]:
+        """The descriptors of a read-only mapping's files, as mapped (empty for the others: closed after mapping)."""
+        return tuple(self._fds)
 
     @property
     def num_blocks(self) -> int:

@@ -103,7 +103,7 @@ def test_the_consumer_prefaults_the_producers_region_in_the_background_and_not_w
         assert pf["state"] == "done" and pf["populated_bytes"] == pf["nbytes"] >= 512 * BLOCK, pf
         assert prefaults(hosts.a) == [None]  # a serves b's link and never read from b: nothing mapped, no walk
     with two_hosts("shpfoff", tmp_path, blocks=512, block_bytes=BLOCK, same_host=True,
-                   settings={"prefault": False}) as hosts:
+                   settings={"data": {"prefault_peers": False}}) as hosts:
         rep = transfer(hosts, "r-pf", list(range(4)), list(range(256, 260)), job=10)
         assert rep["success"] and same_bytes(hosts, list(range(4)), list(range(256, 260))), rep
         assert paths(hosts.b) == {("same_host", "")} and prefaults(hosts.b) == [None]

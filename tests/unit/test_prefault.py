@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
+import threading
 import time
 import uuid
 
@@ -14,11 +17,20 @@ import pytest
 
 from p2pworker.shm import prefault as pf
 from p2pworker.shm import vm
-from p2pworker.shm.prefault import MOVES, Prefault, PrefaultState, runs_of
+from p2pworker.shm.prefault import MOVES, Prefault, PrefaultState, runs_of, walk_refusal
 
 pytestmark = pytest.mark.timeout(60)
 
 PAGE = vm.PAGE_BYTES
+
+
+def _kernel_populates() -> bool:
+    with mmap.mmap(-1, PAGE) as m:
+        return vm.populate_read(np.frombuffer(m, np.uint8).ctypes.data, PAGE) == 0
+
+
+if not _kernel_populates():  # EINVAL before Linux 5.14: the worker's walk then ends FAILED and copies fault
+    pytest.skip("MADV_POPULATE_READ needs Linux 5.14+", allow_module_level=True)
 
 
 @pytest.fixture
@@ -156,13 +168,109 @@ def test_a_kernel_that_refuses_ends_the_walk_failed_with_the_reason(shm_file, mo
 def test_the_walk_ends_once_by_the_table():
     assert set(MOVES) == set(PrefaultState)
     assert MOVES[PrefaultState.RUNNING] == {PrefaultState.DONE, PrefaultState.STOPPED, PrefaultState.FAILED}
-    for end in (PrefaultState.DONE, PrefaultState.STOPPED, PrefaultState.FAILED):
+    for end in (PrefaultState.SKIPPED, PrefaultState.DONE, PrefaultState.STOPPED, PrefaultState.FAILED):
         assert not MOVES[end]  # no second end: _end asserts every move against this table
 
 
-def test_an_unaligned_address_is_refused():
-    with pytest.raises(ValueError, match="page-aligned"):
-        Prefault(PAGE + 1, PAGE)
+def test_rows_that_start_inside_a_page_are_walked_from_that_page(shm_file):
+    path, fd = shm_file
+    os.ftruncate(fd, 1 << 20)
+    with mmap.mmap(fd, 1 << 20) as w:
+        np.frombuffer(w, np.uint8)[:] = 1
+    ro = mmap.mmap(fd, 1 << 20, prot=mmap.PROT_READ)
+    try:
+        base = np.frombuffer(ro, np.uint8).ctypes.data
+        p = Prefault(base + 100, (1 << 20) - 100)  # a data_offset of 100 bytes
+        wait_end(p)
+        assert (p.address, p.nbytes) == (base, 1 << 20)
+        assert p.state is PrefaultState.DONE and p.populated_bytes == 1 << 20, p.status()
+    finally:
+        ro.close()
+
+
+def test_a_refused_walk_is_skipped_and_never_started():
+    p = Prefault(PAGE, PAGE, refusal="not the owner")
+    assert p.state is PrefaultState.SKIPPED and p.error == "not the owner" and p._thread is None
+    assert p.stop() and p.status()["state"] == "skipped"
+
+
+_REFUSAL_AS_NOBODY = """
+import mmap, os, sys
+import numpy as np
+from p2pworker.shm import vm
+from p2pworker.shm.prefault import walk_refusal  # imported first: nobody may not read this Python's files
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.setgid(65534); os.setuid(65534)  # capabilities go with uid 0
+m = mmap.mmap(fd, 1 << 20, prot=mmap.PROT_READ)
+print(int(vm.resident(np.frombuffer(m, np.uint8).ctypes.data, 1 << 20).sum()), repr(walk_refusal([fd])))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_mincore_is_trusted_only_for_the_files_owner(shm_file):
+    """The kernel tells a reader that is not the owner (nor a writer, nor CAP_FOWNER) that every page of a file is
+    in memory: its walk would allocate the file's holes.  Such a reader's walk is refused."""
+    path, fd = shm_file
+    os.ftruncate(fd, 1 << 20)  # 256 pages, one of them written: the rest are holes
+    os.pwrite(fd, b"x", 0)
+    os.chmod(path, 0o644)
+    run = [sys.executable, "-c", _REFUSAL_AS_NOBODY, path]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    got = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
+    resident, why = got.stdout.split(" ", 1)
+    assert resident == "256", got  # the kernel's answer to a reader: every page in memory (why we refuse)
+    assert "not the owner of the peer's file (uid 0, we are 65534)" in why, got
+    os.chown(path, 65534, 65534)  # its own file: mincore is honest, the walk may run
+    got = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
+    assert got.stdout.split() == ["1", "''"], got
+    assert walk_refusal([fd]) == ""  # root here: CAP_FOWNER
+
+
+def test_a_file_that_shrinks_between_mincore_and_the_populate_fails_the_walk(shm_file, monkeypatch):
+    path, fd = shm_file
+    size = 8 << 20
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as w:
+        np.frombuffer(w, np.uint8)[:] = 3
+    ro = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    try:
+        address = np.frombuffer(ro, np.uint8).ctypes.data
+        os.ftruncate(fd, size // 4)
+        # the race: mincore answered while every page was still there, the populate comes after the shrink
+        monkeypatch.setattr(pf.vm, "resident", lambda at, n: np.ones(n // PAGE, dtype=bool))
+        p = Prefault(address, size)
+        wait_end(p)
+        assert p.state is PrefaultState.FAILED and "Bad address" in p.error, p.status()  # EFAULT, no SIGBUS
+    finally:
+        ro.close()
+
+
+def test_a_walk_that_does_not_stop_in_time_says_so(shm_file, monkeypatch):
+    path, fd = shm_file
+    os.ftruncate(fd, 1 << 20)
+    with mmap.mmap(fd, 1 << 20) as w:
+        np.frombuffer(w, np.uint8)[:] = 1
+    inside, leave = threading.Event(), threading.Event()
+
+    def stuck(at, n):  # a populate that takes longer than stop() waits
+        inside.set()
+        leave.wait(30)
+        return 0
+
+    monkeypatch.setattr(pf.vm, "populate_read", stuck)
+    monkeypatch.setattr(Prefault, "CHUNK_BYTES", 256 << 10)  # a round after the stuck one: it sees the stop
+    ro = mmap.mmap(fd, 1 << 20, prot=mmap.PROT_READ)
+    try:
+        p = Prefault(np.frombuffer(ro, np.uint8).ctypes.data, 1 << 20)
+        assert inside.wait(10)
+        t0 = time.monotonic()
+        assert p.stop(timeout_s=0.2) is False  # the owner must not unmap now
+        assert time.monotonic() - t0 < 5
+        leave.set()
+        assert p.stop(timeout_s=10) and p.state is PrefaultState.STOPPED
+    finally:
+        leave.set()
+        ro.close()
 
 
 def test_inspect_names_a_walk_that_has_not_ended_well(monkeypatch):

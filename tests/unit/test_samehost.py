@@ -553,3 +553,69 @@ def test_a_transport_offers_its_file_only_when_on_and_stops_handing_it_over_when
             assert "p2pw-handover" not in threads, threads
             with pytest.raises(handover.HandoverRefused):
                 handover.receive(sh.socket, sh.token, len(sh.files), timeout_s=0.5)
+
+
+def _slow_walk(monkeypatch, seconds_per_round: float):
+    """Every populate round of a walk takes at least ``seconds_per_round`` (one page per round)."""
+    from p2pworker.shm import prefault
+
+    real = prefault.vm.populate_read
+
+    def slow(at, n):
+        time.sleep(seconds_per_round)
+        return real(at, n)
+
+    monkeypatch.setattr(prefault.vm, "populate_read", slow)
+    monkeypatch.setattr(prefault.Prefault, "CHUNK_BYTES", prefault.vm.PAGE_BYTES)
+
+
+def test_a_source_closed_mid_walk_unmaps_only_after_the_walk_stopped(regions, server, monkeypatch):
+    peer, _ = regions
+    _slow_walk(monkeypatch, 0.002)  # 256 pages: ~0.5 s of walking
+    src = open_source(True, info_of(peer, server), prefault=True)
+    seen = {}
+    unmap = src.region.close
+
+    def recording_unmap():
+        walk = src._prefault
+        seen.update(state=walk.state, alive=walk._thread.is_alive(), status=walk.status())
+        unmap()
+
+    src.region.close = recording_unmap
+    assert src.prefault_status()["state"] == "running"
+    src.close()
+    assert seen["state"].value == "stopped" and not seen["alive"], seen  # out of the mapping before it went
+    assert seen["status"]["scanned_bytes"] < seen["status"]["nbytes"], seen
+
+
+def test_a_walk_that_will_not_stop_keeps_the_mapping(regions, server, monkeypatch, caplog):
+    peer, _ = regions
+    _slow_walk(monkeypatch, 1.5)  # one round outlasts close()'s 1 s wait
+    src = open_source(True, info_of(peer, server), prefault=True)
+    time.sleep(0.1)  # inside its first round
+    src.close()
+    try:
+        assert not src.region._closed, "unmapped under a running walk"
+        assert "did not stop within 1 s: its mapping" in caplog.text
+    finally:
+        assert src._prefault.stop(timeout_s=10)
+        src.close()  # once the walk is out: unmapped
+    assert src.region._closed
+
+
+def test_the_walk_populates_only_the_rows_and_ends_done(regions, server):
+    peer, _ = regions
+    src = open_source(True, info_of(peer, server), prefault=True)
+    try:
+        deadline = time.monotonic() + 10
+        while src.prefault_status()["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = src.prefault_status()
+        assert st["state"] == "done" and st["populated_bytes"] == st["nbytes"] == NB * BB, st
+    finally:
+        src.close()
+    plain = open_source(True, info_of(peer, server))
+    try:
+        assert plain.prefault_status() is None  # not asked: no walk
+    finally:
+        plain.close()
