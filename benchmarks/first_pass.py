@@ -1,4 +1,4 @@
-"""The first pass over a same-host producer's region, with and without [worker] prefault.
+"""The first pass over a same-host producer's region, with and without [data] prefault_peers.
 
     .venv/bin/python benchmarks/first_pass.py [--rounds 3] [--mib 1024] [--block-kib 256] [--blocks 64]
 
@@ -37,7 +37,8 @@ class _Slots:
 def one(prefault: bool, mib: int, block_bytes: int, blocks: int) -> tuple[float, float]:
     n = (mib << 20) // block_bytes
     slots = n // blocks
-    with PDRig(n, block_bytes, worker_args=["--settings-json", json.dumps({"prefault": prefault})]) as rig:
+    settings = json.dumps({"data": {"prefault_peers": prefault}})
+    with PDRig(n, block_bytes, worker_args=["--settings-json", settings]) as rig:
         rig.rng = _Slots(itertools.chain([slots - 1], range(slots - 1), range(slots - 1), range(4)))
         warm = rig.run(1, blocks, inflight=1, contiguous=True, verify=True)
         time.sleep(1.0)
