@@ -142,6 +142,7 @@ class SameHostSource:
         self.pid = 0
         self._pidfd: int | None = None
         self._prefault: Prefault | None = None
+        self._released = False  # the unmap is done or handed to the walk
         self._poll = select.poll()
         try:
             handed = handover.receive(sh.socket, sh.token, len(sh.files), timeout_s)
@@ -206,18 +207,18 @@ class SameHostSource:
             os.close(fd)
 
     def close(self) -> None:
-        """Unmap and drop the pidfd.  Idempotent; the caller guarantees no copy from it is running."""
+        """Unmap (now, or by the pre-fault walk as it leaves the mapping) and drop the pidfd.  Idempotent; the caller
+        guarantees no copy from it is running."""
         self._close_pidfd()
         region = getattr(self, "region", None)
-        if region is None:
+        if region is None or self._released:
             return
-        if self._prefault is not None and not self._prefault.stop():
-            # The walk is still inside the mapping: unmapping now could let it populate whatever is mapped at that
-            # address next.  Keep the mapping (the process's exit drops it); the walk ends on its own.
-            log.error("the pre-fault of pid %d's region did not stop within 1 s: its mapping (%d bytes) is kept",
-                      self.pid, region.nbytes)
-            return
-        region.close()
+        self._released = True
+        if self._prefault is None:
+            region.close()
+        elif not self._prefault.stop_then(region.close):
+            # unmapping under the walk could let it populate whatever is mapped at that address next: it unmaps
+            log.warning("the pre-fault walk of pid %d's region is still inside it: unmapped as it leaves", self.pid)
 
 
 def precheck(enabled: bool, info: PeerDataInfo) -> NotSameHost | None:

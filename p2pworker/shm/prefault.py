@@ -20,10 +20,10 @@ and populating those "resident" holes would allocate them.  :func:`walk_refusal`
 CAP_FOWNER; a writer that is neither is refused too: conservative): a refused walk is SKIPPED, never started.
 
 Invariant 7: populating reads no byte and writes none; it only fills this process's page tables.  Invariant 2
-(drain, then unmap): :meth:`Prefault.stop` returns True once the thread is out of the mapping, and the owner
-unmaps only then; a walk that did not stop in time keeps the mapping (its owner leaves it mapped and says so),
-so the walk never populates whatever is mapped at that address next.  Invariant 4: stop() waits at most
-``timeout_s`` (one round is ~0.5 ms here), on the event loop's thread.
+(drain, then unmap): the owner unmaps through :meth:`Prefault.stop_then`, which runs the unmap once the thread is
+out of the mapping: at once when the walk stops within its wait, else on the walk's own thread as it leaves (so
+the walk never populates whatever is mapped at that address next, and the mapping is not kept for good).
+Invariant 4: the event loop waits ``timeout_s`` (0.2 s) at most; one round is ~0.5 ms here.
 
 Costs: ~0.1 ms of one core per MiB populated (256 MiB: 27 ms here), at the worker's own priority (a lower one
 could leave the event loop waiting for the GIL on a walk that the scheduler does not run), and the page tables
@@ -37,6 +37,7 @@ import enum
 import logging
 import os
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -76,9 +77,19 @@ def _has_cap(bit: int) -> bool:
     return False
 
 
+def _initial_user_namespace() -> bool:
+    """Every uid maps to itself: CAP_FOWNER here counts for any file (in another user namespace the kernel honours
+    it only for files whose owner is mapped into it, which a file of an unmapped owner is not)."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
 def walk_refusal(fds) -> str:
     """'' when ``mincore`` tells this process the truth about the files behind ``fds``; else why not."""
-    if _has_cap(CAP_FOWNER):
+    if _has_cap(CAP_FOWNER) and _initial_user_namespace():
         return ""
     euid = os.geteuid()
     for fd in fds:
@@ -113,6 +124,9 @@ class Prefault:
         self.error = refusal
         self.state = PrefaultState.SKIPPED if refusal else PrefaultState.RUNNING
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._out = False  # the thread has left the mapping for good (set last thing in _run)
+        self._then: Callable[[], None] | None = None  # stop_then's release, when the walk was still inside
         self._thread: threading.Thread | None = None
         if not refusal:
             self._thread = threading.Thread(target=self._run, name=f"p2pw-prefault {name}".rstrip(), daemon=True)
@@ -124,6 +138,19 @@ class Prefault:
         self.state = state
 
     def _run(self) -> None:
+        try:
+            self._walk()
+        finally:
+            with self._lock:
+                self._out = True
+                then, self._then = self._then, None
+            if then is not None:  # its owner let go while we were inside: the unmap is ours to do, now
+                try:
+                    then()
+                except Exception as e:
+                    log.error("releasing a pre-faulted mapping after the walk: %s: %s", type(e).__name__, e)
+
+    def _walk(self) -> None:
         page = vm.PAGE_BYTES
         try:
             for off in range(0, self.nbytes, self.CHUNK_BYTES):
@@ -149,6 +176,19 @@ class Prefault:
             return True
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def stop_then(self, release: Callable[[], None], timeout_s: float = 0.2) -> bool:
+        """End the walk and run ``release`` (the unmap) once the thread is out of the mapping: here when it leaves
+        within ``timeout_s`` (True), else on the walk's thread as it leaves (False): never under the walk, and the
+        caller (the event loop) waits ``timeout_s`` at most."""
+        self.stop(timeout_s)
+        with self._lock:
+            now = self._thread is None or self._out
+            if not now:
+                self._then = release
+        if now:
+            release()
+        return now
 
     def status(self) -> dict:
         return {"state": self.state.value, "populated_bytes": self.populated_bytes,

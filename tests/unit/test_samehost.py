@@ -555,52 +555,83 @@ def test_a_transport_offers_its_file_only_when_on_and_stops_handing_it_over_when
                 handover.receive(sh.socket, sh.token, len(sh.files), timeout_s=0.5)
 
 
-def _slow_walk(monkeypatch, seconds_per_round: float):
-    """Every populate round of a walk takes at least ``seconds_per_round`` (one page per round)."""
-    from p2pworker.shm import prefault
+class _HeldWalk:
+    """Every populate round of a walk waits for ``leave`` (one page per round); ``inside`` once one is waiting."""
 
-    real = prefault.vm.populate_read
+    def __init__(self, monkeypatch):
+        from p2pworker.shm import prefault
 
-    def slow(at, n):
-        time.sleep(seconds_per_round)
-        return real(at, n)
+        self.inside, self.leave = threading.Event(), threading.Event()
+        real = prefault.vm.populate_read
 
-    monkeypatch.setattr(prefault.vm, "populate_read", slow)
-    monkeypatch.setattr(prefault.Prefault, "CHUNK_BYTES", prefault.vm.PAGE_BYTES)
+        def held(at, n):
+            self.inside.set()
+            self.leave.wait(30)
+            return real(at, n)
+
+        monkeypatch.setattr(prefault.vm, "populate_read", held)
+        monkeypatch.setattr(prefault.Prefault, "CHUNK_BYTES", prefault.vm.PAGE_BYTES)
 
 
-def test_a_source_closed_mid_walk_unmaps_only_after_the_walk_stopped(regions, server, monkeypatch):
+def test_a_source_closed_mid_walk_unmaps_only_after_the_walk_left(regions, server, monkeypatch):
     peer, _ = regions
-    _slow_walk(monkeypatch, 0.002)  # 256 pages: ~0.5 s of walking
+    held = _HeldWalk(monkeypatch)
     src = open_source(True, info_of(peer, server), prefault=True)
     seen = {}
     unmap = src.region.close
 
     def recording_unmap():
         walk = src._prefault
-        seen.update(state=walk.state, alive=walk._thread.is_alive(), status=walk.status())
+        seen.update(state=walk.state, out=walk._out, thread=threading.current_thread(), status=walk.status())
         unmap()
 
     src.region.close = recording_unmap
-    assert src.prefault_status()["state"] == "running"
-    src.close()
-    assert seen["state"].value == "stopped" and not seen["alive"], seen  # out of the mapping before it went
-    assert seen["status"]["scanned_bytes"] < seen["status"]["nbytes"], seen
-
-
-def test_a_walk_that_will_not_stop_keeps_the_mapping(regions, server, monkeypatch, caplog):
-    peer, _ = regions
-    _slow_walk(monkeypatch, 1.5)  # one round outlasts close()'s 1 s wait
-    src = open_source(True, info_of(peer, server), prefault=True)
-    time.sleep(0.1)  # inside its first round
-    src.close()
     try:
-        assert not src.region._closed, "unmapped under a running walk"
-        assert "did not stop within 1 s: its mapping" in caplog.text
+        assert held.inside.wait(10) and src.prefault_status()["state"] == "running"
+        threading.Timer(0.05, held.leave.set).start()  # the round ends (within close()'s wait, on a quiet box)
+        src.close()
+        src._prefault._thread.join(10)  # by close() itself, or by the walk as it left if it took longer
+        assert seen and seen["state"].value == "stopped" and seen["out"], seen  # out of the mapping before it went
+        assert seen["status"]["scanned_bytes"] < seen["status"]["nbytes"], seen
     finally:
-        assert src._prefault.stop(timeout_s=10)
-        src.close()  # once the walk is out: unmapped
-    assert src.region._closed
+        held.leave.set()
+        src.close()
+
+
+def test_a_walk_that_outlasts_close_unmaps_as_it_leaves(regions, server, monkeypatch, caplog):
+    peer, _ = regions
+    held = _HeldWalk(monkeypatch)
+    src = open_source(True, info_of(peer, server), prefault=True)
+    try:
+        assert held.inside.wait(10)
+        t0 = time.monotonic()
+        src.close()  # the walk is held inside its round: close() must neither unmap nor wait for it
+        assert time.monotonic() - t0 < 5
+        assert not src.region._closed, "unmapped under a running walk"
+        assert "still inside it: unmapped as it leaves" in caplog.text
+        held.leave.set()
+        src._prefault._thread.join(10)
+        assert src.region._closed and src._prefault.state.value == "stopped"  # the walk unmapped on its way out
+        src.close()  # idempotent
+    finally:
+        held.leave.set()
+        src.close()
+
+
+def test_a_walk_mincore_would_lie_to_is_skipped(regions, server, monkeypatch):
+    from p2pworker.shm import prefault
+
+    peer, _ = regions
+    for seg in peer.handle.segments:
+        os.chown(seg.path, 65534, 65534)  # another user's files, and we lack CAP_FOWNER (below)
+    monkeypatch.setattr(prefault, "_has_cap", lambda bit: False)
+    src = open_source(True, info_of(peer, server), prefault=True)
+    try:
+        st = src.prefault_status()
+        assert st["state"] == "skipped" and "not the owner of the peer's file (uid 65534" in st["error"], st
+        assert st["populated_bytes"] == 0 and src._prefault._thread is None
+    finally:
+        src.close()
 
 
 def test_the_walk_populates_only_the_rows_and_ends_done(regions, server):
