@@ -927,8 +927,27 @@ class Worker:
             self.counters["peer_deaths"] += 1
             s = self.sessions.get(ev.link)
             if s is not None:
+                # A peer that shuts down sends its Bye on the session's lane, then closes both; this turn may see the
+                # control link go first (the loop reads it before the lanes): read what the lane holds first, so
+                # the session ends with the peer's own reason, not "peer lost".
+                self._drain_lane(ev.link, s)
+            if s is not None and self.sessions.get(ev.link) is s and s.state is not State.CLOSED:
                 self._run(None, s, s.close(f"peer lost: {ev.reason}"))
                 self._retire(s)
+
+    def _drain_lane(self, link: str, s: Session) -> None:
+        """Deliver the frames ``s``'s lane holds now (its end, if it ended, is the caller's to handle)."""
+        got = self._lanes.get(link)
+        if got is None or got[0] is not s or not got[1].reading:
+            return
+        try:
+            frames = got[1].recv()
+        except LaneBroken:
+            return  # nothing was left on it
+        for frame in frames:
+            if self.sessions.get(link) is not s:
+                break
+            self._on_control(Received(link, frame), lane=True)
 
     # ------------------------------------------------------------ events
     def _error(self, message: str, *, fatal: bool = False, attach: bool = False) -> None:
