@@ -56,6 +56,8 @@ class IdealTier(SecondaryTierManager):
         def copy(view=self._view, job_id=job.job_id):
             for row, data in rows:
                 view[row] = data  # numpy drops the GIL for a row this size
+            # Invariant 7: the rows vLLM assigned to this load, written by vLLM's own (scheduler) process, all of
+            # them before the job is reported just below; nothing writes them after.
             self._finish(job_id)
 
         t = threading.Thread(target=copy, daemon=True)

@@ -936,7 +936,9 @@ class Worker:
                 self._retire(s)
 
     def _drain_lane(self, link: str, s: Session) -> None:
-        """Deliver the frames ``s``'s lane holds now (its end, if it ended, is the caller's to handle)."""
+        """Deliver the frames ``s``'s lane holds now (its end, if it ended, is the caller's to handle).  Writes no
+        row: the frames go to the session as on any turn (a read an Offer posts is reported only once it settled,
+        and the close that follows cancels it: invariant 7); at most 256 frames, as every lane read."""
         got = self._lanes.get(link)
         if got is None or got[0] is not s or not got[1].reading:
             return
