@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from p2pworker.data import handover, samehost
-from p2pworker.data.base import coalesce
+from p2pworker.data.base import coalesce, split_runs
 from p2pworker.data.samehost import Copier, NotSameHost, Refusal, open_source
 from p2pworker.errors import TransferFailed
 from p2pworker.protocol.peer_info import PeerDataInfo
@@ -470,6 +470,51 @@ def test_copies_are_byte_exact_and_touch_only_the_granted_rows(regions, server, 
         assert not mine[np.setdiff1d(np.arange(NB), local)].any(), "bytes landed outside the granted rows"
     finally:
         del mine
+        copier.close()
+        src.close()
+
+
+def test_a_helper_waiting_for_a_core_does_not_hold_the_copy_and_nothing_lands_after_it_returns(regions, server):
+    """Chunks are taken in turn: a helper thread that stalls inside its chunk (a busy box: it waits for a core)
+    leaves the rest to this thread, and copy() returns only once the helper's chunk is in too."""
+    peer, ours = regions
+    me = threading.current_thread()
+    helper_in, gate = threading.Event(), threading.Event()
+    copied: list[tuple[bool, tuple]] = []
+
+    class Gated(Copier):
+        def _copy_runs(self, src, runs):
+            if threading.current_thread() is not me:
+                helper_in.set()
+                assert gate.wait(10)
+            else:
+                assert helper_in.wait(10), "the helper never took a chunk"
+            super()._copy_runs(src, runs)
+            copied.append((threading.current_thread() is me, tuple(map(tuple, runs.tolist()))))
+
+        def _take_chunks(self, src, chunks, counter):
+            n = super()._take_chunks(src, chunks, counter)
+            if threading.current_thread() is me:
+                assert not gate.is_set()
+                gate.set()  # only now may the stalled helper finish its chunk
+            return n
+
+    rng = np.random.default_rng(7)
+    local, remote = rng.permutation(NB)[:48], rng.permutation(NB)[:48]
+    runs = coalesce(local, remote)
+    src = open_source(True, info_of(peer, server))
+    copier = Gated(ours, threads=2, split_bytes=0, chunk_bytes=4 * BB)
+    try:
+        copier.copy(src, runs)
+        by_me = [c for mine, c in copied if mine]
+        by_helper = [c for mine, c in copied if not mine]
+        assert len(by_helper) == 1 == copier.chunks_by_helpers  # it stalled in its first chunk; we took the rest
+        assert len(by_me) == len(split_runs(runs, BB, 4 * BB)) - 1
+        mine = ours.array()
+        assert (mine[local] == peer.array()[remote]).all()  # the helper's chunk too: it landed before the return
+        assert not mine[np.setdiff1d(np.arange(NB), local)].any(), "bytes landed outside the granted rows"
+    finally:
+        mine = None
         copier.close()
         src.close()
 
