@@ -260,6 +260,8 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
     TR = view = None
     try:  # from here on the manager exists: whatever happens, it is shut down (its region file unlinked)
         tier = mgr.secondary_tiers[0]
+        if kind == "ours-noahead":  # the session is opened by the first load, as before on_new_request opened it
+            tier._open_ahead = lambda address: None
         # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
         TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
         ACC = _hop_acc(mgr, tier) if TR is not None else None
@@ -568,7 +570,8 @@ def main() -> None:
     ap.add_argument("--geometries", default="16384x64,16384x512,262144x64,262144x512", help="ROW_BYTESxCHUNKS,...")
     ap.add_argument("--tiers", default="ours,intree",
                     help="ours, ours-listed (the decode tier lists the prefill worker in `peers`), ours-noprefault "
-                         "([data] prefault_peers = false), intree, ideal (a floor: vLLM's own passes and one "
+                         "([data] prefault_peers = false), ours-noahead (the session opened by the first load, "
+                         "not at on_new_request), intree, ideal (a floor: vLLM's own passes and one "
                          "in-process copy on a thread), ideal-nocopy (vLLM's own passes alone; no byte check); "
                          "benchmarks/ideal_tier.py")
     ap.add_argument("--json", metavar="FILE", help="also write every figure (per method) to FILE")

@@ -28,6 +28,9 @@ class AttachRegion(msgspec.Struct, tag="attach_region"):
 
 class OpenSession(msgspec.Struct, tag="open_session"):
     address: str  # host:port of the peer worker's control socket
+    # True: a listed peer, re-opened whenever its session ends.  False: open it now, once (the adapter saw a request
+    # that will load from it: the handshake runs while vLLM schedules, not after its first load is submitted).
+    keep: bool = True
 
 
 class CloseSession(msgspec.Struct, tag="close_session"):

@@ -604,8 +604,10 @@ class Worker:
                 if self.ctx is not None:
                     self._pump(self.ctx.lot.request_finished(cmd.request_id))
             case api.OpenSession():
-                self.kept.add(_addr_key(cmd.address))
-                self._session_for(cmd.address, cmd)
+                if cmd.keep:
+                    self.kept.add(_addr_key(cmd.address))
+                if not self.stopping:  # a no-op when the session exists, or the address is in its backoff
+                    self._session_for(cmd.address, cmd)
             case api.CloseSession():
                 self.kept.discard(_addr_key(cmd.address))
                 link = self.out_links.get(_addr_key(cmd.address))
@@ -1114,6 +1116,7 @@ class Worker:
                  **s.counters}
                 for link, s in self.sessions.items()
             ],
+            "kept_peers": sorted(self.kept),  # listed peers (OpenSession keep): re-opened whenever their session ends
             "jobs_in_flight": self.reporter.open_jobs,
             "transfers_in_flight": data.in_flight() if data else 0,
             "bytes_read": data.stats.bytes_done if data else 0,

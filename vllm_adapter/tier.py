@@ -80,6 +80,9 @@ RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
 LIVENESS_CHECK_S = 0.05
 POLL_THREAD_GONE_S = 0.1  # no off-thread poll for this long: on_schedule_end flushes commands itself
 RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park_timeout_s
+# A request that will load from a peer asks the worker to open the session at once (OpenSession keep=False), at most
+# once per peer per this many seconds: for an open session it is a dict lookup in the worker, but not one per request.
+OPEN_AHEAD_S, OPEN_AHEAD_MAX = 5.0, 4096
 
 
 class _Kind(enum.Enum):
@@ -244,6 +247,7 @@ class P2PWorkerTier(SecondaryTierManager):
         self._restart_at = 0.0
         self._next_liveness = 0.0
         self._outbox: list[api.Command] = []  # commands not yet on the command ring (see _send)
+        self._opened_ahead: dict[str, float] = {}  # peer address -> when a request last asked to open its session
         self._scheduler_thread = threading.get_ident()  # vLLM builds tiers on the scheduler thread
         self._off_thread_poll_at = -1e9  # last get_finished_jobs from vLLM's tier-poll thread (0.33)
         self._backoff_s = RESTART_MIN_S
@@ -351,6 +355,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 client.cmd.unlink()
                 client.evt.unlink()
                 self._replay_finished()
+                self._opened_ahead.clear()  # a new worker has no session yet
                 for peer in self._peers:  # kept connected by the worker from now on (re-opened if a session ends)
                     if not self._send(api.OpenSession(peer)):
                         log.warning("could not ask the worker to connect to %s: command ring full", peer)
@@ -479,7 +484,24 @@ class P2PWorkerTier(SecondaryTierManager):
         req_context.set_state(role)
         if role.kind is RoleKind.PRODUCER:
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        if role.kind.loads:
+            self._open_ahead(role.address)
         return RequestOffloadingContext()
+
+    def _open_ahead(self, address: str) -> None:
+        """A request that will look up and load from ``address`` arrived: have the worker open that session now, so
+        the handshake (and on one host the handover and lane) runs while vLLM schedules the request instead of
+        after its first load is submitted (issue 16: first contact).  Not a listed peer: opened once, not kept."""
+        now = time.monotonic()
+        if now - self._opened_ahead.get(address, -OPEN_AHEAD_S) < OPEN_AHEAD_S or not self._ready:
+            return
+        if len(self._opened_ahead) >= OPEN_AHEAD_MAX:
+            self._opened_ahead.clear()  # bounded: at worst a peer is asked once more
+        self._opened_ahead[address] = now
+        if self._send(api.OpenSession(address, keep=False)):
+            # Now, not at the step's end: the point is to start before the lookups.  A non-blocking ring put; vLLM
+            # calls on_new_request under the manager lock (0.33), which the poll thread's flush holds too.
+            self._flush()
 
     def _role(self, req_context) -> PDRole:
         role = req_context.get_state(PDRole)

@@ -241,11 +241,15 @@ def test_metrics_endpoint_counts_jobs(shm_prefix, tmp_path):
             assert c.close() == 0
 
 
-def sessions_of(admin_path) -> list[dict]:
+def status_of(admin_path) -> dict:
     res = subprocess.run([str(BIN), "inspect", "--json", "--admin", str(admin_path)],
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)[0]["sessions"]
+    return json.loads(res.stdout)[0]
+
+
+def sessions_of(admin_path) -> list[dict]:
+    return status_of(admin_path)["sessions"]
 
 
 def test_a_listed_peer_is_connected_before_any_request_even_one_that_starts_later(shm_prefix, tmp_path):
@@ -282,6 +286,7 @@ def test_a_listed_peer_is_connected_before_any_request_even_one_that_starts_late
         assert finished(a, {2})[2].success and finished(b, {1})[1].success
         assert (regions[0].array()[10:12] == 2).all()
         assert [s["link"] for s in sessions_of(tmp_path / "ka.admin")] == [s0["link"]]
+        assert status_of(tmp_path / "ka.admin")["kept_peers"] == [f"127.0.0.1:{port}"]
     finally:
         codes = [c.close() for c in clients]
         for reg in regions:

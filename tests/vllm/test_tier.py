@@ -98,6 +98,49 @@ def test_listed_peers_are_connected_before_any_request(free_port):
             e.close()
 
 
+def test_a_request_that_will_load_opens_its_session_before_any_lookup_and_does_not_keep_it(pd):
+    """A decode request's on_new_request has the worker open the producer's session at once (issue 16: first
+    contact), before vLLM looks up a key or submits a load; the peer is not kept (not listed), it is asked once per
+    OPEN_AHEAD_S whatever the number of requests, and the first load uses that session."""
+    from p2pworker import admin
+    from p2pworker import api
+
+    prefill, decode = pd
+    ids = list(range(4))
+    prefill.store("p-ahead", ids, {"remote_decoder": {"kv_request_id": "kv-ahead"}})
+    host, port = prefill.tier.worker_address.split(":")
+    sent = []
+    real_send = decode.tier._send
+    decode.tier._send = lambda cmd: sent.append(cmd) or real_send(cmd)
+    params = {"remote_prefiller": {"kv_request_id": "kv-ahead", "remote_host": host, "remote_port": int(port)}}
+    ctx = ReqContext(req_id="d-ahead", kv_transfer_params=params)
+    with decode.lock:
+        decode.mgr.on_new_request(ctx)
+    assert sent == [api.OpenSession(f"{host}:{port}", keep=False)]
+    assert decode.tier._outbox == []  # on the ring now, not at the step's end
+    st = admin.query(decode.tier._client.ready.admin)
+    deadline = time.monotonic() + 30
+    while not [s for s in st["sessions"] if s["state"] == "active"]:  # no lookup, no step, no load on decode
+        assert time.monotonic() < deadline, f"the session never came up: {st['sessions']}"
+        time.sleep(0.01)
+        st = admin.query(decode.tier._client.ready.admin)
+    assert st["kept_peers"] == [] and len(st["sessions"]) == 1
+    link = st["sessions"][0]["link"]
+    other = ReqContext(req_id="d-ahead-2", kv_transfer_params={
+        "remote_prefiller": {**params["remote_prefiller"], "kv_request_id": "kv-other"}})
+    with decode.lock:
+        decode.mgr.on_new_request(other)  # the same peer within OPEN_AHEAD_S: not asked again
+    assert len(sent) == 1
+    assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
+    decode.step(["d-ahead"])
+    run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
+    assert decode.tier.counters()["loads_ok"] == 1
+    assert [s["link"] for s in admin.query(decode.tier._client.ready.admin)["sessions"]] == [link]
+    with decode.lock:
+        decode.mgr.on_request_finished(ctx)
+        decode.mgr.on_request_finished(other)
+
+
 def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
     _, decode = pd
     ctx = ReqContext(req_id="d2", kv_transfer_params={
