@@ -49,6 +49,9 @@ def launch(config_path, settings_json, rings, name, host, port, advertise_host, 
 
     The shared secret comes from $P2PWORKER_SECRET or the config's [control] secret.
     """
+    from p2pworker.copytune import reexec_if_untuned
+
+    reexec_if_untuned()  # copies that stream past the caches: a glibc tunable, read at process start only
     import logging
 
     from p2pworker.config import ConfigError, load_config

@@ -17,7 +17,7 @@ from typing import Callable
 
 import msgspec
 
-from p2pworker import api
+from p2pworker import api, copytune
 from p2pworker.errors import MessageTooLarge, P2PError, PeerDead
 from p2pworker.shm import RegionHandle, Ring, Role
 
@@ -60,7 +60,9 @@ class WorkerClient:
             if config_path:
                 argv += ["--config", config_path]
             argv += args or []
-            self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+            child_env = {**os.environ, **(env or {})}
+            child_env = copytune.worker_env(child_env) or child_env  # set here, so that launch need not exec again
+            self.proc = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL,
                                          stdout=stderr, stderr=stderr)  # NIXL logs to stdout
 
     # ------------------------------------------------------------ never blocking

@@ -1116,6 +1116,8 @@ class Worker:
                  **s.counters}
                 for link, s in self.sessions.items()
             ],
+            # what this process's copies run under (p2pworker.copytune: streaming stores for same-host copies)
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
             "kept_peers": sorted(self.kept),  # listed peers (OpenSession keep): re-opened whenever their session ends
             "jobs_in_flight": self.reporter.open_jobs,
             "transfers_in_flight": data.in_flight() if data else 0,

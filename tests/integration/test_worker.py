@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from p2pworker import api
+from p2pworker import api, copytune
 from p2pworker.client import WorkerClient
 from p2pworker.shm import KVRegion
 from p2pworker.shm.sweep import leftovers
@@ -286,7 +286,10 @@ def test_a_listed_peer_is_connected_before_any_request_even_one_that_starts_late
         assert finished(a, {2})[2].success and finished(b, {1})[1].success
         assert (regions[0].array()[10:12] == 2).all()
         assert [s["link"] for s in sessions_of(tmp_path / "ka.admin")] == [s0["link"]]
-        assert status_of(tmp_path / "ka.admin")["kept_peers"] == [f"127.0.0.1:{port}"]
+        st = status_of(tmp_path / "ka.admin")
+        assert st["kept_peers"] == [f"127.0.0.1:{port}"]
+        if copytune.applies():  # spawned with glibc's non-temporal threshold lowered (p2pworker.copytune)
+            assert f"{copytune.TUNABLE}={copytune.THRESHOLD:#x}" in st["glibc_tunables"]
     finally:
         codes = [c.close() for c in clients]
         for reg in regions:
