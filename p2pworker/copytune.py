@@ -3,8 +3,8 @@
 A same-host copy (p2pworker.data.samehost.Copier) moves megabytes that nobody reads soon after: vLLM's next touch of
 the row is a GPU DMA, or another copy many steps later.  glibc's ``memmove`` uses ordinary stores below its
 non-temporal threshold, so every destination line is first read from DRAM (read-for-ownership) and then written
-back: three DRAM transfers per byte instead of two.  glibc sets that threshold from the cache size; on this
-project's 2-core EPYC VMs it is 0xf000000 (240 MiB), so no copy of ours ever streams.  Measured here with
+back: three DRAM transfers per byte instead of two.  glibc sets that threshold from the cache size; on the
+2-core EPYC VMs this was measured on it is 0xf000000 (240 MiB), so no copy of ours streamed.  Measured here with
 ``benchmarks/stream_copy.py`` (README, "Streaming copies").
 
 The threshold is a glibc tunable, read once when a process starts: so the worker is started with it
@@ -16,13 +16,15 @@ Other platforms (not x86-64, not glibc) ignore it: nothing is changed there.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
 from collections.abc import Mapping
 
 TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
-THRESHOLD = 0x10000  # 64 KiB: a same-host chunk is 1 MiB; a ring message or a control frame rarely this large
+THRESHOLD = 0x10000  # 64 KiB: a same-host chunk is 1 MiB.  Every other copy this size streams too (a multi-MB
+# ring message or control frame of a 65,536-key job): those cost speed at most, not measured
 REEXEC_MARK = "P2PWORKER_TUNED"  # set on the exec'd process: never a second exec, whatever glibc made of it
 
 
@@ -50,8 +52,16 @@ def reexec_if_untuned() -> None:
     pid stays: an adapter or supervisor watching it sees the same process).  Returns when nothing is to change."""
     if os.environ.get(REEXEC_MARK):
         return
+    args = sys.argv[1:]
+    # Only a process started as ``... launch ...``: inside another program (click's CliRunner, cli.main() called
+    # from Python) orig_argv is that program's command line, which must not be run again.
+    if not sys.executable or "launch" not in args or sys.orig_argv[len(sys.orig_argv) - len(args):] != args:
+        return
     env = worker_env(os.environ)
     if env is None:
         return
     env[REEXEC_MARK] = "1"
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as e:  # the interpreter moved under us, say: run untuned rather than not at all
+        logging.getLogger(__name__).warning("not re-executing with %s (copies will not stream): %s", TUNABLE, e)

@@ -62,7 +62,8 @@ import itertools
 import logging
 import os
 import select
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -287,7 +288,7 @@ class Copier:
             # after this returns; the source is the peer's read-only mapping.
             move(dest + l0 * bb, src + r0 * bb, n * bb)
 
-    def _take_chunks(self, src: int, chunks: list[np.ndarray], counter) -> int:
+    def _take_chunks(self, src: int, chunks: list[np.ndarray], counter: Iterator[int]) -> int:
         """Copy chunks until none is left: returns how many this thread copied.  ``next(counter)`` is atomic (one C
         call under the GIL), so each chunk is taken by exactly one thread."""
         n = len(chunks)
@@ -315,13 +316,19 @@ class Copier:
             counter = itertools.count()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="p2pw-copy")
-            helpers = min(self.threads - 1, len(chunks) - 1)
-            futures = [self._pool.submit(self._take_chunks, source.address, chunks, counter) for _ in range(helpers)]
+            futures: list[Future] = []
             try:
+                for _ in range(min(self.threads - 1, len(chunks) - 1)):
+                    futures.append(self._pool.submit(self._take_chunks, source.address, chunks, counter))
                 self._take_chunks(source.address, chunks, counter)
             finally:
-                wait(futures)  # every chunk ended before we return (or raise): nothing copies into our rows later
-            for f in futures:
+                # A helper still queued (no core for it yet) has copied nothing and would find no chunk left: cancel
+                # it rather than wait for it.  Every other one is waited for: nothing copies into our rows once we
+                # return or raise (invariant 7), whatever raised here (a submit refused, a helper's error).
+                # (wait() on a cancelled future would still block until a pool thread dequeued it.)
+                started = [f for f in futures if not f.cancel()]
+                wait(started)
+            for f in started:
                 self.chunks_by_helpers += f.result()
         if not source.alive():
             raise TransferFailed(

@@ -297,6 +297,52 @@ def test_a_listed_peer_is_connected_before_any_request_even_one_that_starts_late
     assert codes == [0, 0], f"worker exit codes {codes}"
 
 
+def test_a_session_opened_ahead_is_not_reopened_when_it_ends_but_a_listed_peers_is(shm_prefix, tmp_path):
+    """OpenSession(keep=False) (the adapter saw a request that will load from that peer) opens the session once;
+    keep=True (a listed peer) also re-opens it whenever it ends.  Both producers shut down and come back on the same
+    ports: only the listed one is connected again."""
+    adm = tmp_path / "oa.admin"
+    ports = {"ahead": free_port(), "kept": free_port()}
+    regions, clients = [], []
+
+    def start(name: str, args: list[str]) -> WorkerClient:
+        reg = KVRegion.create(f"{shm_prefix}{name}", 16, 16 * 1024)
+        regions.append(reg)
+        c = WorkerClient(name, args=args, env=ENV)
+        clients.append(c)
+        c.attach(reg.handle, {"model": "test"})
+        return c
+
+    def active() -> dict[str, dict]:
+        return {s["peer_id"]: s for s in sessions_of(adm) if s["state"] == "active"}
+
+    def until(pred, what: str, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not pred():
+            assert time.monotonic() < deadline, f"{what}: {sessions_of(adm)}"
+            time.sleep(0.1)
+
+    try:
+        a = start("oa", ["--port", "0", "--admin", str(adm)])
+        prod = {k: start(f"o{k[0]}1", ["--port", str(p)]) for k, p in ports.items()}
+        assert a.send(api.OpenSession(f"127.0.0.1:{ports['ahead']}", keep=False))
+        assert a.send(api.OpenSession(f"127.0.0.1:{ports['kept']}", keep=True))
+        until(lambda: set(active()) == {c.ready.node_id for c in prod.values()}, "both sessions up")
+        assert status_of(adm)["kept_peers"] == [f"127.0.0.1:{ports['kept']}"]
+        for c in prod.values():
+            assert c.close() == 0  # an orderly exit: its sessions end with a Bye
+        until(lambda: not active(), "both sessions ended")
+        again = {k: start(f"o{k[0]}2", ["--port", str(p)]) for k, p in ports.items()}
+        until(lambda: again["kept"].ready.node_id in active(), "the listed peer was not connected again")
+        time.sleep(1.0)  # as long again for the other: it would have been re-opened on the same tick
+        assert again["ahead"].ready.node_id not in active()
+    finally:
+        codes = [c.close() for c in clients if c.proc is not None and c.proc.poll() is None]
+        for reg in regions:
+            reg.close()
+    assert set(codes) <= {0}, f"worker exit codes {codes}"
+
+
 def test_ping_reports_rtt_and_fingerprint_and_refuses_a_wrong_secret(pair):
     (a, _), _ = pair
     env = {**os.environ, **ENV}

@@ -33,7 +33,8 @@ def test_launch_without_it_execs_itself_once_with_it_and_keeps_its_pid():
             "print('start', os.getpid(), flush=True); reexec_if_untuned(); "
             "print('tuned', os.getpid(), os.environ.get('GLIBC_TUNABLES', ''), flush=True)")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", copytune.REEXEC_MARK)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    # "launch" as its argument: the command line of a worker (the console script's, or -m p2pworker.cli's)
+    out = subprocess.run([sys.executable, "-c", code, "launch"], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split("\n")
     starts = [ln for ln in lines if ln.startswith("start")]
@@ -42,6 +43,31 @@ def test_launch_without_it_execs_itself_once_with_it_and_keeps_its_pid():
     pid = starts[0].split()[1]
     assert starts[1].split()[1] == pid and tuned.split()[1] == pid  # exec keeps the pid: a supervisor sees one process
     assert tuned.split()[2] == SETTING
+
+
+def test_only_a_launch_command_line_is_executed_again():
+    """Inside another program (pytest here, as under click's CliRunner) nothing is exec'd: its command line is not
+    a worker's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", copytune.REEXEC_MARK)}
+    code = ("import os; from p2pworker.copytune import reexec_if_untuned; print('start', flush=True); "
+            "reexec_if_untuned(); print('after', os.environ.get('GLIBC_TUNABLES', ''), flush=True)")
+    out = subprocess.run([sys.executable, "-c", code, "serve"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["start", "after "]  # not exec'd: ran once, untuned
+
+
+def test_a_launch_that_cannot_exec_runs_untuned(monkeypatch, caplog):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv(copytune.REEXEC_MARK, raising=False)
+    monkeypatch.setattr(sys, "argv", ["p2pworker", "launch"])
+    monkeypatch.setattr(sys, "orig_argv", ["/gone/python", "/gone/p2pworker", "launch"])
+
+    def refused(*a):
+        raise FileNotFoundError(2, "No such file or directory", a[0])
+
+    monkeypatch.setattr(os, "execve", refused)
+    copytune.reexec_if_untuned()  # returns: the worker starts without the setting
+    assert "copies will not stream" in caplog.text
 
 
 def test_a_spawned_worker_runs_with_it(shm_prefix, tmp_path):

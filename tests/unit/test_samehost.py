@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from concurrent.futures import ThreadPoolExecutor
+
 import msgspec
 import numpy as np
 import pytest
@@ -515,6 +517,57 @@ def test_a_helper_waiting_for_a_core_does_not_hold_the_copy_and_nothing_lands_af
         assert not mine[np.setdiff1d(np.arange(NB), local)].any(), "bytes landed outside the granted rows"
     finally:
         mine = None
+        copier.close()
+        src.close()
+
+
+def test_a_helper_that_fails_fails_the_copy_only_after_every_other_chunk_ended(regions, server):
+    peer, ours = regions
+    me = threading.current_thread()
+    helper_in = threading.Event()
+    copied: list[tuple] = []
+
+    class Failing(Copier):
+        def _copy_runs(self, src, runs):
+            if threading.current_thread() is not me:
+                helper_in.set()
+                raise RuntimeError("helper broke")
+            assert helper_in.wait(10), "the helper never took a chunk"
+            super()._copy_runs(src, runs)
+            copied.append(tuple(map(tuple, runs.tolist())))
+
+    runs = coalesce(np.arange(48), np.arange(48))
+    src = open_source(True, info_of(peer, server))
+    copier = Failing(ours, threads=2, split_bytes=0, chunk_bytes=4 * BB)
+    try:
+        with pytest.raises(RuntimeError, match="helper broke"):
+            copier.copy(src, runs)
+        assert len(copied) == len(split_runs(runs, BB, 4 * BB)) - 1  # the rest was copied, then it raised
+    finally:
+        copier.close()
+        src.close()
+
+
+def test_a_helper_still_queued_is_cancelled_not_waited_for(regions, server):
+    """No core for the helper yet (here: its one pool thread busy): this thread copies every chunk and returns
+    without waiting for it; the cancelled helper never runs."""
+    peer, ours = regions
+    rng = np.random.default_rng(3)
+    local, remote = rng.permutation(NB)[:32], rng.permutation(NB)[:32]
+    src = open_source(True, info_of(peer, server))
+    copier = Copier(ours, threads=2, split_bytes=0, chunk_bytes=2 * BB)
+    copier._pool = ThreadPoolExecutor(1)
+    release = threading.Event()
+    blocker = copier._pool.submit(release.wait, 30)  # the pool's only thread is taken
+    try:
+        copier.copy(src, coalesce(local, remote))  # waiting for the queued helper would wait out the blocker's 30 s
+        assert not blocker.done() and copier.chunks_by_helpers == 0
+        mine = ours.array()
+        assert (mine[local] == peer.array()[remote]).all()
+    finally:
+        mine = None
+        release.set()
+        blocker.result(10)
         copier.close()
         src.close()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import vllm
 
+from p2pworker import api
 from tests.vllm.harness import ROW, Engine, LookupResult, ReqContext, key, payload, run_until
 from vllm_adapter.tier import M_DEATHS, M_IN_FLIGHT, M_LOADS, TIER_METRICS, P2PWorkerTier, PDRole, RoleKind, parse_role
 
@@ -103,7 +104,6 @@ def test_a_request_that_will_load_opens_its_session_before_any_lookup_and_does_n
     contact), before vLLM looks up a key or submits a load; the peer is not kept (not listed), it is asked once per
     OPEN_AHEAD_S whatever the number of requests, and the first load uses that session."""
     from p2pworker import admin
-    from p2pworker import api
 
     prefill, decode = pd
     ids = list(range(4))
@@ -114,10 +114,10 @@ def test_a_request_that_will_load_opens_its_session_before_any_lookup_and_does_n
     decode.tier._send = lambda cmd: sent.append(cmd) or real_send(cmd)
     params = {"remote_prefiller": {"kv_request_id": "kv-ahead", "remote_host": host, "remote_port": int(port)}}
     ctx = ReqContext(req_id="d-ahead", kv_transfer_params=params)
-    with decode.lock:
+    with decode.lock:  # held, as vLLM holds it: 0.33's tier-poll thread cannot flush meanwhile
         decode.mgr.on_new_request(ctx)
+        assert decode.tier._outbox == []  # on the ring now, by on_new_request itself, not at a later flush
     assert sent == [api.OpenSession(f"{host}:{port}", keep=False)]
-    assert decode.tier._outbox == []  # on the ring now, not at the step's end
     st = admin.query(decode.tier._client.ready.admin)
     deadline = time.monotonic() + 30
     while not [s for s in st["sessions"] if s["state"] == "active"]:  # no lookup, no step, no load on decode
@@ -208,8 +208,13 @@ def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
     prefill.store("p5", [7], {"remote_decoder": {"kv_request_id": "kv-new"}})
     ctx3 = ReqContext(req_id="d5", kv_transfer_params={**params, "remote_prefiller": {
         **params["remote_prefiller"], "kv_request_id": "kv-new"}})
+    sent = []
+    real_send = decode.tier._send
+    decode.tier._send = lambda cmd: sent.append(cmd) or real_send(cmd)
     with decode.lock:
         decode.mgr.on_new_request(ctx3)
+    # the new worker has no session: it is asked to open one again, whenever the dead worker's was asked
+    assert [c for c in sent if isinstance(c, api.OpenSession)] == [api.OpenSession(f"{host}:{port}", keep=False)]
     assert decode.lookup(ctx3, [7]) == [LookupResult.HIT_PENDING]
     decode.step(["d5"])
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
