@@ -324,12 +324,16 @@ class Worker:
                           s.close(f"peer lost: same-host lane: {e}" if gone else f"same-host lane: {e}", bye=not gone))
                 self._retire(s)
                 continue
-            for frame in frames:
-                did = True
-                if self.sessions.get(link) is not s:
-                    break
-                self._on_control(Received(link, frame), lane=True)
+            did = self._deliver_lane(link, s, frames) or did
         return did
+
+    def _deliver_lane(self, link: str, s: Session, frames) -> bool:
+        """Hand ``s`` the frames read from its lane, in order, while it still owns ``link``; True when any came."""
+        for frame in frames:
+            if self.sessions.get(link) is not s:
+                break
+            self._on_control(Received(link, frame), lane=True)
+        return bool(frames)
 
     def _lane_up(self, link: str, s: Session, lane: Lane) -> None:
         """Switch ``s``'s messages to ``lane``: LaneUp on the control link first, then only the lane."""
@@ -948,10 +952,7 @@ class Worker:
             frames = got[1].recv()
         except LaneBroken:
             return  # nothing was left on it
-        for frame in frames:
-            if self.sessions.get(link) is not s:
-                break
-            self._on_control(Received(link, frame), lane=True)
+        self._deliver_lane(link, s, frames)
 
     # ------------------------------------------------------------ events
     def _error(self, message: str, *, fatal: bool = False, attach: bool = False) -> None:
