@@ -607,6 +607,10 @@ class Worker:
             case api.RequestFinished():
                 if self.ctx is not None:
                     self._pump(self.ctx.lot.request_finished(cmd.request_id))
+            case api.ResetParked():
+                if self.ctx is not None:
+                    for p in self.ctx.lot.reset(cmd.reason):
+                        self._pump(p)
             case api.OpenSession():
                 if cmd.keep:
                     self.kept.add(_addr_key(cmd.address))

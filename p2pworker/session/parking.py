@@ -283,6 +283,21 @@ class ParkingLot:
                 self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores
                 self.drop(p, f"not fetched within {self.park_timeout_s:g} s")
 
+    def reset(self, reason: str) -> list[Parcel]:
+        """vLLM reset its cache: fail now the store jobs of every parcel without a lease (no consumer can be reading
+        their rows: a consumer reads only rows offered to it, under a lease), tombstones included.  A parcel under a
+        lease is finished (no more stores join it; its jobs close when the lease ends, as usual).  Returns those
+        whose lease's owner should end its offers (the final Offer).  O(parcels), once per reset."""
+        owners = []
+        for p in list(self.parcels.values()):
+            if p.lease is None:
+                self.drop(p, reason)
+            else:
+                p.finished = True
+                if p.lease.owner is not None:
+                    owners.append(p)
+        return owners
+
     def shutdown(self, reason: str) -> int:
         """Worker exit: fail the store jobs of parcels without a lease.  Leased ones are NOT reported: a
         consumer may still be reading their rows, and only this process's death stops a read by pid (the
