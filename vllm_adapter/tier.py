@@ -84,7 +84,7 @@ RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park
 # A request that will load from a peer asks the worker to open the session at once (OpenSession keep=False), at most
 # once per peer per this many seconds: for an open session it is a dict lookup in the worker, but not one per request.
 OPEN_AHEAD_S, OPEN_AHEAD_MAX = 5.0, 4096
-DRAIN_SLACK_S, DRAIN_KILL_WAIT_S = 5.0, 30.0  # drain_jobs: past the longest lease; a killed worker's exit
+DRAIN_SLACK_S, DRAIN_LOG_S = 5.0, 10.0  # drain_jobs: slack past the longest lease; how often it says it waits
 
 
 class _Kind(enum.Enum):
@@ -617,13 +617,14 @@ class P2PWorkerTier(SecondaryTierManager):
                     or self._outbox) or self._client is None or self._client.cmd.pending_bytes > 0
 
     def drain_jobs(self) -> None:
-        """vLLM's reset_cache (sleep, weight update): when this returns, every job is reported and nothing of ours
-        touches vLLM's rows, which it then reuses.  Our loads end within their lease (or the worker exits).  Our store
-        jobs would stay open while parked for a consumer (up to park_timeout_s), so the worker is told to end them:
-        those no consumer can be reading fail at once, leased ones end with their lease (ResetParked).  A job still
-        open past the longest lease the worker grants is not failed while the worker lives (a consumer could still
-        read those rows, or our read land in them): the worker is killed, and its jobs fail once it is gone."""
-        if self._jobs and self._send(api.ResetParked()):
+        """vLLM's reset_cache (sleep, weight update), under its manager lock: when this returns every job is reported
+        and nothing of ours touches vLLM's rows, which it then reuses.  Our store jobs would stay open while parked for
+        a consumer (up to park_timeout_s) and our loads until their lease, so the worker is told to end them
+        (ResetCache): parked stores no consumer can be reading fail at once, leased ones end with their lease, loads
+        are cancelled and reported once their reads settled.  A job still open past the longest lease the worker
+        grants is never failed while the worker lives (a consumer could still read those rows, or our read land in
+        them): the worker is killed, and its jobs fail once it is gone; vLLM waits meanwhile, as its own tiers do."""
+        if self._jobs and self._send(api.ResetCache()):
             self._flush()
         deadline = time.monotonic() + self._drain_s
         while self._jobs and time.monotonic() < deadline:
@@ -636,12 +637,13 @@ class P2PWorkerTier(SecondaryTierManager):
                   len(self._jobs), self._name, self._drain_s)
         if client is not None:
             client.kill()
-            gone_by = time.monotonic() + DRAIN_KILL_WAIT_S
-            while client.alive() and time.monotonic() < gone_by:
+            next_log = time.monotonic() + DRAIN_LOG_S
+            while client.alive():  # a blocked reset is visible; a job failed while the worker lives is not safe
+                if time.monotonic() >= next_log:
+                    next_log += DRAIN_LOG_S
+                    log.error("drain: p2pworker %s still alive after SIGKILL; vLLM's reset waits for it", self._name)
+                    client.kill()
                 time.sleep(0.01)
-            if client.alive():  # vLLM asserts that nothing is open after this call: there is no safer way left
-                log.critical("drain: p2pworker %s (pid %s) survived SIGKILL for %.0f s; failing its jobs anyway",
-                             self._name, client.proc.pid if client.proc else "?", DRAIN_KILL_WAIT_S)
         if self._jobs:
             self._worker_died("killed: a job outlived the longest lease while vLLM drained the tier")
 

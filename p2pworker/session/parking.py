@@ -285,13 +285,18 @@ class ParkingLot:
 
     def reset(self, reason: str) -> list[Parcel]:
         """vLLM reset its cache: fail now the store jobs of every parcel without a lease (no consumer can be reading
-        their rows: a consumer reads only rows offered to it, under a lease), tombstones included.  A parcel under a
-        lease is finished (no more stores join it; its jobs close when the lease ends, as usual).  Returns those
-        whose lease's owner should end its offers (the final Offer).  O(parcels), once per reset."""
+        their rows: a consumer reads only rows offered to it, under a lease).  A finished request stays a tombstone
+        (a consumer that asks later is answered at once, empty, not after fetch_timeout_s; vLLM does not tell us
+        again that it finished).  A parcel under a lease is marked finished: its owner sends the final offer now;
+        stores that still come join it unoffered, and its jobs close when the lease ends, as usual.  Returns the
+        parcels whose lease's owner should end its offers.  O(parcels), once per reset."""
         owners = []
         for p in list(self.parcels.values()):
             if p.lease is None:
+                finished = p.finished
                 self.drop(p, reason)
+                if finished:
+                    self.parcel(p.request_id).finished = True
             else:
                 p.finished = True
                 if p.lease.owner is not None:

@@ -72,14 +72,14 @@ class Reference:
         self._maybe_close()
 
     def reset(self, leased: bool, reason: str) -> None:
-        """vLLM reset its cache: without a lease every open job fails now and the request is forgotten; under one,
-        the request is finished (its jobs close when the lease ends)."""
+        """vLLM reset its cache: without a lease every open job fails now and the request is forgotten, but for
+        having finished (a tombstone); under one, the request is finished (its jobs close when the lease ends)."""
         if leased:
             self.finished = True
             return
         for job in list(self.jobs):
             self._close(job, False, reason)
-        self.finished = self.served = False
+        self.served = False
 
     def _maybe_close(self) -> None:
         if self.finished and self.served:

@@ -145,8 +145,8 @@ def test_reset_cache_ends_parked_stores_at_once_and_the_tier_serves_on(pd):
     """vLLM's reset_cache (sleep, weight update) calls drain_jobs: every job reported when it returns (vLLM asserts
     it), nothing of ours touching the rows vLLM then reuses.  Stores parked for a consumer that has not come are
     failed at once (before: drain_jobs waited out 60 s, then failed them while the worker still offered those rows);
-    a consumer that asks later gets nothing (its load fails and vLLM recomputes: never the reused rows); a PD
-    exchange after the reset works."""
+    a consumer that asks later gets nothing at once (its load fails and vLLM recomputes: never the reused rows).  A
+    decode engine's reset cancels a load still waiting for its producer.  A PD exchange after the reset works."""
     prefill, decode = pd
     host, port = prefill.tier.worker_address.split(":")
 
@@ -157,6 +157,20 @@ def test_reset_cache_ends_parked_stores_at_once_and_the_tier_serves_on(pd):
             decode.mgr.on_new_request(ctx)
         return ctx
 
+    # the decode side first: a load waiting for a producer that has nothing for it is cancelled, not waited out
+    waiting = consumer("kv-none")
+    assert decode.lookup(waiting, [9]) == [LookupResult.HIT_PENDING]
+    decode.step(["d-kv-none"])
+    assert decode.tier._jobs
+    t0 = time.monotonic()
+    with decode.lock:
+        decode.mgr.reset_cache()
+    assert time.monotonic() - t0 < 5.0 and decode.tier.counters()["loads_failed"] == 1
+    with decode.lock:
+        decode.mgr.on_request_finished(waiting)
+        on_flushed = getattr(decode.mgr, "on_reset_flushed", None)
+        if on_flushed is not None:  # 0.33: promotions are held until the workers flushed the reset
+            on_flushed()
     prefill.store("p-r", [0, 1, 2], {"remote_decoder": {"kv_request_id": "kv-r"}})
     assert prefill.tier._jobs, "the cascade's store job is parked in the worker"
     t0 = time.monotonic()
@@ -167,8 +181,10 @@ def test_reset_cache_ends_parked_stores_at_once_and_the_tier_serves_on(pd):
     ctx = consumer("kv-r")
     assert decode.lookup(ctx, [0, 1, 2]) == [LookupResult.HIT_PENDING] * 3
     decode.step(["d-kv-r"])
+    t0 = time.monotonic()
     run_until([decode, prefill], decode.idle)
-    assert decode.tier.counters()["loads_failed"] == 1 and decode.lookup(ctx, [0, 1, 2]) == [LookupResult.MISS] * 3
+    assert time.monotonic() - t0 < 5.0, "the finished request is answered at once, not after fetch_timeout_s"
+    assert decode.tier.counters()["loads_failed"] == 2 and decode.lookup(ctx, [0, 1, 2]) == [LookupResult.MISS] * 3
     with decode.lock:
         decode.mgr.on_request_finished(ctx)
     on_flushed = getattr(prefill.mgr, "on_reset_flushed", None)
@@ -203,7 +219,7 @@ def test_drain_kills_a_worker_that_keeps_a_job_past_the_longest_lease(free_port)
         assert prefill.tier._jobs
         pid = prefill.tier._client.proc.pid
         prefill.tier._drain_s = 0.5  # as if the parked job had outlived every lease (a worker that lost track of it)
-        prefill.tier._client.send = lambda cmd: True  # and the ResetParked never reaches the worker
+        prefill.tier._client.send = lambda cmd: True  # and the ResetCache never reaches the worker
         t0 = time.monotonic()
         with prefill.lock:
             prefill.mgr.reset_cache()
