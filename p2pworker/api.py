@@ -75,6 +75,15 @@ class RequestFinished(msgspec.Struct, tag="request_finished"):
     request_id: str
 
 
+class ResetCache(msgspec.Struct, tag="reset_cache"):
+    """vLLM resets its cache (sleep, weight update; the tier's ``drain_jobs``): the rows of our open jobs go back to
+    vLLM.  Every parked request no consumer can be reading (no lease) is failed at once; one under a lease ends with
+    its lease (its offered rows stay pinned until then).  Every load is cancelled: reported failed once its reads
+    settled (none is aborted mid-copy).  Later work is served as usual."""
+
+    reason: str = "vLLM reset its cache"
+
+
 class Drain(msgspec.Struct, tag="drain"):
     """Stop accepting work; report ``Drained`` once nothing is in flight."""
 
@@ -84,7 +93,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 Command = Union[AttachRegion, OpenSession, CloseSession, StoreJob, LoadJob, LookupKeys, AnswerLookup,
-                RequestFinished, Drain, Shutdown]
+                RequestFinished, ResetCache, Drain, Shutdown]
 
 
 # ---------------------------------------------------------------- events

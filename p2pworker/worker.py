@@ -607,6 +607,12 @@ class Worker:
             case api.RequestFinished():
                 if self.ctx is not None:
                     self._pump(self.ctx.lot.request_finished(cmd.request_id))
+            case api.ResetCache():
+                if self.ctx is not None:
+                    for p in self.ctx.lot.reset(cmd.reason):
+                        self._pump(p)
+                    for link, s in list(self.sessions.items()):  # reported once their reads settled (none aborted)
+                        self._run(link, s, s.cancel_loads(cmd.reason))
             case api.OpenSession():
                 if cmd.keep:
                     self.kept.add(_addr_key(cmd.address))

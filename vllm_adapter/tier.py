@@ -72,6 +72,7 @@ from p2pworker.client import WorkerClient
 from p2pworker.config import ConfigError, TierSettings, WorkerConfig
 from p2pworker.config import tier_settings as _tier_settings
 from p2pworker.errors import MessageTooLarge, P2PError
+from p2pworker.session.session import LEASE_DRIFT, LEASE_MARGIN_S
 from p2pworker.shm.maps import handle_for_range
 
 log = logging.getLogger("vllm_adapter.tier")
@@ -83,6 +84,7 @@ RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park
 # A request that will load from a peer asks the worker to open the session at once (OpenSession keep=False), at most
 # once per peer per this many seconds: for an open session it is a dict lookup in the worker, but not one per request.
 OPEN_AHEAD_S, OPEN_AHEAD_MAX = 5.0, 4096
+DRAIN_SLACK_S, DRAIN_LOG_S = 5.0, 10.0  # drain_jobs: slack past the longest lease; how often it says it waits
 
 
 class _Kind(enum.Enum):
@@ -252,6 +254,11 @@ class P2PWorkerTier(SecondaryTierManager):
         self._off_thread_poll_at = -1e9  # last get_finished_jobs from vLLM's tier-poll thread (0.33)
         self._backoff_s = RESTART_MIN_S
         self._stall_s = float(worker_stall_s)
+        # drain_jobs: the longest a job of a live worker can stay open (a lease the worker grants, or our load and
+        # the settling of its reads), plus slack; then the worker is killed
+        ss = wcfg.session
+        self._drain_s = max(ss.max_lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S,
+                            ss.load_timeout_s + ss.settle_timeout_s) + DRAIN_SLACK_S
         self._last_event = time.monotonic()
         self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
         self._fatal: str | None = None  # the worker reported a configuration error: no restarts
@@ -610,15 +617,35 @@ class P2PWorkerTier(SecondaryTierManager):
                     or self._outbox) or self._client is None or self._client.cmd.pending_bytes > 0
 
     def drain_jobs(self) -> None:
-        """Wait (the contract of this call) until every submitted job is reported; bounded."""
-        deadline = time.monotonic() + 60.0
+        """vLLM's reset_cache (sleep, weight update), under its manager lock: when this returns every job is reported
+        and nothing of ours touches vLLM's rows, which it then reuses.  Our store jobs would stay open while parked for
+        a consumer (up to park_timeout_s) and our loads until their lease, so the worker is told to end them
+        (ResetCache): parked stores no consumer can be reading fail at once, leased ones end with their lease, loads
+        are cancelled and reported once their reads settled.  A job still open past the longest lease the worker
+        grants is never failed while the worker lives (a consumer could still read those rows, or our read land in
+        them): the worker is killed, and its jobs fail once it is gone; vLLM waits meanwhile, as its own tiers do."""
+        if self._jobs and self._send(api.ResetCache()):
+            self._flush()
+        deadline = time.monotonic() + self._drain_s
         while self._jobs and time.monotonic() < deadline:
             self._pump()
             time.sleep(0.001)
+        if not self._jobs:
+            return
+        client = self._client
+        log.error("drain: %d job(s) of p2pworker %s still open after %.0f s (past the longest lease): killing it",
+                  len(self._jobs), self._name, self._drain_s)
+        if client is not None:
+            client.kill()
+            next_log = time.monotonic() + DRAIN_LOG_S
+            while client.alive():  # a blocked reset is visible; a job failed while the worker lives is not safe
+                if time.monotonic() >= next_log:
+                    next_log += DRAIN_LOG_S
+                    log.error("drain: p2pworker %s still alive after SIGKILL; vLLM's reset waits for it", self._name)
+                    client.kill()
+                time.sleep(0.01)
         if self._jobs:
-            log.error("drain: %d job(s) still open after 60 s; failing them", len(self._jobs))
-            for job_id, open_job in list(self._jobs.items()):
-                self._finish(job_id, False, None, time.monotonic() - open_job.t0, None, "drain timed out")
+            self._worker_died("killed: a job outlived the longest lease while vLLM drained the tier")
 
     def shutdown(self) -> None:
         client, self._client, self._ready = self._client, None, False

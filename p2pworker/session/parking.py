@@ -283,6 +283,26 @@ class ParkingLot:
                 self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores
                 self.drop(p, f"not fetched within {self.park_timeout_s:g} s")
 
+    def reset(self, reason: str) -> list[Parcel]:
+        """vLLM reset its cache: fail now the store jobs of every parcel without a lease (no consumer can be reading
+        their rows: a consumer reads only rows offered to it, under a lease).  A finished request stays a tombstone
+        (a consumer that asks later is answered at once, empty, not after fetch_timeout_s; vLLM does not tell us
+        again that it finished).  A parcel under a lease is marked finished: its owner sends the final offer now;
+        stores that still come join it unoffered, and its jobs close when the lease ends, as usual.  Returns the
+        parcels whose lease's owner should end its offers.  O(parcels), once per reset."""
+        owners = []
+        for p in list(self.parcels.values()):
+            if p.lease is None:
+                finished = p.finished
+                self.drop(p, reason)
+                if finished:
+                    self.parcel(p.request_id).finished = True
+            else:
+                p.finished = True
+                if p.lease.owner is not None:
+                    owners.append(p)
+        return owners
+
     def shutdown(self, reason: str) -> int:
         """Worker exit: fail the store jobs of parcels without a lease.  Leased ones are NOT reported: a
         consumer may still be reading their rows, and only this process's death stops a read by pid (the

@@ -6,8 +6,9 @@ one key at a time: a store job succeeds when every key it parked was read by a c
 finished and served with the rest never asked for; it fails when an offered key was not read.  Random stores
 (duplicate keys within and across jobs), leases over any subset, releases naming any subset of what was offered,
 finishes, with many small store jobs per request (both ways of finding a release's jobs run: over 8 open jobs, and
-fewer): every job's outcome (success, keys moved, bytes, reason) must be the reference's, and no job may be
-reported while one of its keys is offered under a lease.
+fewer), resets (vLLM's reset_cache: a request without a lease fails at once, one under a lease ends with it): every
+job's outcome (success, keys moved, bytes, reason) must be the reference's, and no job may be reported while one of
+its keys is offered under a lease.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ class Reference:
         self.finished = True
         self._maybe_close()
 
+    def reset(self, leased: bool, reason: str) -> None:
+        """vLLM reset its cache: without a lease every open job fails now and the request is forgotten, but for
+        having finished (a tombstone); under one, the request is finished (its jobs close when the lease ends)."""
+        if leased:
+            self.finished = True
+            return
+        for job in list(self.jobs):
+            self._close(job, False, reason)
+        self.served = False
+
     def _maybe_close(self) -> None:
         if self.finished and self.served:
             for job in list(self.jobs):
@@ -112,12 +123,16 @@ def test_release_and_store_match_the_key_by_key_rules(seed):
                 read += rnd.sample(universe, 2)
             lot.release(p, read, "consumer did not read it")
             ref.release(offered, set(read), "consumer did not read it")
-        else:
+        elif act < 0.95:
             lot.request_finished("r")
             if p.lease is None:
                 ref.finish()
             else:
                 ref.finished = True  # the lot closes the rest when the lease ends
+        else:  # the tier's drain_jobs (vLLM's reset_cache)
+            leased = p.lease is not None
+            lot.reset("vLLM reset its cache")
+            ref.reset(leased, "vLLM reset its cache")
         got = outcomes(reporter.events)
         assert got == ref.done
         p = lot.parcels.get("r")

@@ -805,3 +805,70 @@ def test_lane_up_switches_the_peer_stream_once_and_for_good():
     r.a.receive(m.encode(m.Bye("its lane broke")))
     assert r.sa.state is State.CLOSED and "its lane broke" in r.sa.close_reason
     assert r.sa.counters["protocol_errors"] == 0
+
+
+# ---------------------------------------------------------------- vLLM resets its cache (the tier's drain_jobs)
+def test_a_reset_fails_at_once_what_no_consumer_can_be_reading_and_waits_for_the_leases():
+    """ParkingLot.reset: a parcel without a lease (nobody can be reading its rows) fails now; a leased one gets its
+    final offer, keeps its offered rows pinned, and its jobs close only when the lease ends."""
+    p = Pair().handshake()
+    p.b.store(1, "idle", KEYS[:2], [10, 11])  # parked, never fetched
+    p.b.store(2, "read", KEYS[:2], [20, 21])
+    p.b.store(3, "read", KEYS[2:], [22, 23])  # not asked for by the load below
+    p.a.load(100, "read", KEYS[:3], [0, 1, 2])  # KEYS[2] is parked: offered; KEYS[:2] too
+    p.deliver()
+    owners = p.b.lot.reset("vLLM reset its cache")
+    b = jobs(p.b.events())
+    assert set(b) == {1} and not b[1].success and b[1].reason == "vLLM reset its cache"
+    assert set(p.b.lot.parcels) == {"read"} and [q.request_id for q in owners] == ["read"]  # "idle" forgotten
+    assert p.b.lot.parcels["read"].finished
+    p.b.run(p.sb, p.sb.pump(owners[0]))
+    assert not jobs(p.b.events()), "rows a consumer may be reading are not handed back"
+    p.pull_all()  # the consumer reads, reports, releases
+    assert jobs(p.a.events())[100].success
+    b = jobs(p.b.events())
+    assert b[2].success and b[3].success and b[3].reason == "not requested by the consumer"  # KEYS[3] never asked
+    assert p.b.reporter.open_jobs == 0 and not p.b.lot.parcels
+
+
+def test_a_lease_whose_consumer_never_releases_ends_the_reset_at_the_leases_end():
+    p = Pair(a={"config": SessionConfig(load_timeout_s=4.0)}).handshake()
+    p.b.store(1, "req", KEYS[:1], [10])
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.deliver()  # offered; the consumer stalls (no copy, no release)
+    p.b.lot.reset("vLLM reset its cache")
+    p.advance(4.0)
+    p.b.lot.tick()
+    assert not jobs(p.b.events()), "the hold outlasts the consumer's deadline"
+    p.advance(LEASE_MARGIN_S + 0.1)
+    p.b.lot.tick()
+    b = jobs(p.b.events())[1]
+    assert not b.success and "ran out" in b.reason and p.b.reporter.open_jobs == 0
+
+
+def test_a_finished_request_reset_is_answered_at_once_when_a_consumer_asks_later():
+    """vLLM does not say again that a request finished: the reset keeps a finished request as a tombstone, so a
+    consumer asking for it later gets its empty final offer now, not after fetch_timeout_s."""
+    p = Pair().handshake()
+    p.b.store(1, "done", KEYS[:2], [10, 11])
+    p.b.finish("done")
+    p.b.finish("never")  # a tombstone before the reset
+    p.b.lot.reset("vLLM reset its cache")
+    assert not jobs(p.b.events())[1].success and p.b.lot.parcels["done"].finished
+    p.a.load(100, "done", KEYS[:2], [0, 1])
+    p.a.load(101, "never", KEYS[:1], [2])
+    p.deliver()
+    a = jobs(p.a.events())
+    assert not a[100].success and not a[101].success and "finished before" in a[100].reason
+    assert p.a.data.log == [], "nothing of the reset rows is read"
+
+
+def test_stores_after_a_reset_are_parked_and_served_as_usual():
+    p = Pair().handshake()
+    p.b.store(1, "req", KEYS[:1], [10])
+    p.b.lot.reset("vLLM reset its cache")
+    assert not jobs(p.b.events())[1].success
+    p.b.store(2, "req", KEYS[:1], [12])  # the same request id, after the reset: a fresh parcel
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.pull_all()
+    assert jobs(p.a.events())[100].success and p.a.region[0] == KEYS[0] and jobs(p.b.events())[2].success

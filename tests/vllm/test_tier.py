@@ -141,6 +141,98 @@ def test_a_request_that_will_load_opens_its_session_before_any_lookup_and_does_n
         decode.mgr.on_request_finished(other)
 
 
+def test_reset_cache_ends_parked_stores_at_once_and_the_tier_serves_on(pd):
+    """vLLM's reset_cache (sleep, weight update) calls drain_jobs: every job reported when it returns (vLLM asserts
+    it), nothing of ours touching the rows vLLM then reuses.  Stores parked for a consumer that has not come are
+    failed at once (before: drain_jobs waited out 60 s, then failed them while the worker still offered those rows);
+    a consumer that asks later gets nothing at once (its load fails and vLLM recomputes: never the reused rows).  A
+    decode engine's reset cancels a load still waiting for its producer.  A PD exchange after the reset works."""
+    prefill, decode = pd
+    host, port = prefill.tier.worker_address.split(":")
+
+    def consumer(rid: str) -> ReqContext:
+        ctx = ReqContext(req_id=f"d-{rid}", kv_transfer_params={
+            "remote_prefiller": {"kv_request_id": rid, "remote_host": host, "remote_port": int(port)}})
+        with decode.lock:
+            decode.mgr.on_new_request(ctx)
+        return ctx
+
+    # the decode side first: a load waiting for a producer that has nothing for it is cancelled, not waited out
+    waiting = consumer("kv-none")
+    assert decode.lookup(waiting, [9]) == [LookupResult.HIT_PENDING]
+    decode.step(["d-kv-none"])
+    assert decode.tier._jobs
+    t0 = time.monotonic()
+    with decode.lock:
+        decode.mgr.reset_cache()
+    assert time.monotonic() - t0 < 5.0 and decode.tier.counters()["loads_failed"] == 1
+    with decode.lock:
+        decode.mgr.on_request_finished(waiting)
+        on_flushed = getattr(decode.mgr, "on_reset_flushed", None)
+        if on_flushed is not None:  # 0.33: promotions are held until the workers flushed the reset
+            on_flushed()
+    prefill.store("p-r", [0, 1, 2], {"remote_decoder": {"kv_request_id": "kv-r"}})
+    assert prefill.tier._jobs, "the cascade's store job is parked in the worker"
+    t0 = time.monotonic()
+    with prefill.lock:
+        prefill.mgr.reset_cache()  # drain_jobs, then vLLM's own `assert not self._jobs`
+    assert time.monotonic() - t0 < 5.0
+    assert not prefill.tier._jobs and prefill.tier.counters()["stores_failed"] >= 1
+    ctx = consumer("kv-r")
+    assert decode.lookup(ctx, [0, 1, 2]) == [LookupResult.HIT_PENDING] * 3
+    decode.step(["d-kv-r"])
+    t0 = time.monotonic()
+    run_until([decode, prefill], decode.idle)
+    assert time.monotonic() - t0 < 5.0, "the finished request is answered at once, not after fetch_timeout_s"
+    assert decode.tier.counters()["loads_failed"] == 2 and decode.lookup(ctx, [0, 1, 2]) == [LookupResult.MISS] * 3
+    with decode.lock:
+        decode.mgr.on_request_finished(ctx)
+    on_flushed = getattr(prefill.mgr, "on_reset_flushed", None)
+    if on_flushed is not None:  # 0.33: promotions are held until the workers flushed the reset
+        with prefill.lock:
+            on_flushed()
+    ids = [3, 4]
+    prefill.store("p-r2", ids, {"remote_decoder": {"kv_request_id": "kv-r2"}})
+    ctx = consumer("kv-r2")
+    assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 2
+    decode.step(["d-kv-r2"])
+    run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
+    assert decode.lookup(ctx, ids) == [LookupResult.HIT] * 2
+    with decode.lock:
+        spec = decode.mgr.prepare_load([key(i) for i in ids], ctx)
+    rows = np.asarray(decode.view)
+    for i, r in zip(ids, spec.chunk_ids.tolist()):
+        assert (rows[r] == payload(i)).all(), f"chunk {i} differs after the reset"
+    del rows
+    with decode.lock:
+        decode.mgr.complete_load([key(i) for i in ids], ctx)
+        decode.mgr.on_request_finished(ctx)
+
+
+def test_drain_kills_a_worker_that_keeps_a_job_past_the_longest_lease(free_port):
+    """A job still open past every lease the worker grants is not failed while the worker lives (its rows could still
+    be read, or written): the worker is killed, its jobs fail once it is gone, and a new one is started later."""
+    prefill = Engine("dk", free_port(), worker_settings={"session": {"max_lease_s": 1.0, "load_timeout_s": 0.5,
+                                                                     "settle_timeout_s": 0.5}})
+    try:
+        prefill.store("p-k", [0], {"remote_decoder": {"kv_request_id": "kv-k"}})
+        assert prefill.tier._jobs
+        pid = prefill.tier._client.proc.pid
+        prefill.tier._drain_s = 0.5  # as if the parked job had outlived every lease (a worker that lost track of it)
+        prefill.tier._client.send = lambda cmd: True  # and the ResetCache never reaches the worker
+        t0 = time.monotonic()
+        with prefill.lock:
+            prefill.mgr.reset_cache()
+        assert time.monotonic() - t0 < 10.0
+        assert not prefill.tier._jobs and prefill.tier.counters()["worker_deaths"] == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped before its jobs were failed
+        run_until([prefill], lambda: prefill.tier._ready, timeout_s=30)
+        assert prefill.tier._client.proc.pid != pid
+    finally:
+        prefill.close()
+
+
 def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
     _, decode = pd
     ctx = ReqContext(req_id="d2", kv_transfer_params={
