@@ -134,11 +134,19 @@ class Worker:
                 if clock() >= deadline:
                     raise
                 time.sleep(0.1)
-        try:
-            self.evt = Ring.attach(evt_name, Role.PRODUCER, msg_type=api.Event)
-        except BaseException:
-            self.cmd.close()
-            raise
+        while True:  # the adapter creates the command ring first: its event ring may not be there yet
+            try:
+                self.evt = Ring.attach(evt_name, Role.PRODUCER, msg_type=api.Event)
+                break
+            except P2PError:
+                if clock() < deadline:
+                    time.sleep(0.1)
+                    continue
+                self.cmd.close()
+                raise
+            except BaseException:
+                self.cmd.close()
+                raise
         self.started = clock()
         self.reporter = Reporter()
         self.region: KVRegion | None = None

@@ -471,3 +471,38 @@ def test_a_failing_hook_stops_the_worker_at_start_and_leaves_nothing(shm_prefix,
     text = log_path.read_text()
     assert "worker did not start" in text and says in text, text[-2000:]
     assert not admin.exists(), "the admin socket of a worker whose hook failed was left behind"
+
+
+def test_an_operator_launched_worker_waits_for_the_event_ring_created_after_the_command_ring(shm_prefix, tmp_path):
+    """The adapter creates <rings>.cmd, then <rings>.evt: a worker already waiting (`--wait-rings`) that sees the
+    command ring first waits for the event ring too, instead of failing between the two (a CI run hit that window)."""
+    from p2pworker.shm.ring import Ring, Role
+
+    prefix = f"{shm_prefix}opring"
+    cmd_name, evt_name = api.ring_names(prefix)
+    worker = subprocess.Popen([str(BIN), "launch", "--rings", prefix, "--wait-rings", "30", "--port", "0",
+                               "--name", "opring", "--admin", str(tmp_path / "opring.admin")],
+                              env={**os.environ, **ENV})
+    rings = []
+    try:
+        rings.append(Ring.create(cmd_name, Role.PRODUCER, nslots=api.RING_NSLOTS, slot_bytes=api.RING_SLOT_BYTES,
+                                 msg_type=api.Command))
+        time.sleep(1.5)  # the worker has found the command ring by now (it polls every 0.1 s)
+        assert worker.poll() is None, "the worker gave up while the event ring was not there yet"
+        evt = Ring.create(evt_name, Role.CONSUMER, nslots=api.RING_NSLOTS, slot_bytes=api.RING_SLOT_BYTES,
+                          msg_type=api.Event)
+        rings.append(evt)
+        deadline = time.monotonic() + 20
+        while not isinstance(evt.try_get(), api.Heartbeat):  # its loop runs: it attached both rings
+            assert worker.poll() is None and time.monotonic() < deadline, "no heartbeat from the worker"
+            time.sleep(0.05)
+        assert rings[0].try_put(api.Shutdown("test over"))
+        code = worker.wait(15)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(15)
+        for r in rings:
+            r.unlink()
+            r.close()
+    assert code == 0
