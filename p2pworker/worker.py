@@ -118,6 +118,17 @@ def poll_timeout_s(cfg: WorkerConfig, *, busy: bool, now: float, next_tick: floa
     return timeout_s
 
 
+def _attach_ring(name: str, role: Role, msg_type, deadline: float, clock: Callable[[], float]) -> Ring:
+    """Attach ring `name`, retrying every 0.1 s while it does not exist yet, until `deadline` (then raise)."""
+    while True:
+        try:
+            return Ring.attach(name, role, msg_type=msg_type)
+        except P2PError:
+            if clock() >= deadline:
+                raise
+            time.sleep(0.1)
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, *, clock: Callable[[], float] = boottime):
         if not cfg.rings:
@@ -126,27 +137,14 @@ class Worker:
         self.clock = clock
         cmd_name, evt_name = api.ring_names(cfg.rings)
         deadline = clock() + cfg.wait_rings_s
-        while True:  # an operator may start the worker before vLLM creates the rings
-            try:
-                self.cmd = Ring.attach(cmd_name, Role.CONSUMER, msg_type=api.Command)
-                break
-            except P2PError:
-                if clock() >= deadline:
-                    raise
-                time.sleep(0.1)
-        while True:  # the adapter creates the command ring first: its event ring may not be there yet
-            try:
-                self.evt = Ring.attach(evt_name, Role.PRODUCER, msg_type=api.Event)
-                break
-            except P2PError:
-                if clock() < deadline:
-                    time.sleep(0.1)
-                    continue
-                self.cmd.close()
-                raise
-            except BaseException:
-                self.cmd.close()
-                raise
+        # an operator may start the worker before vLLM creates the rings, and the adapter creates the command ring
+        # before the event ring: wait for each within the one deadline
+        self.cmd = _attach_ring(cmd_name, Role.CONSUMER, api.Command, deadline, clock)
+        try:
+            self.evt = _attach_ring(evt_name, Role.PRODUCER, api.Event, deadline, clock)
+        except BaseException:
+            self.cmd.close()
+            raise
         self.started = clock()
         self.reporter = Reporter()
         self.region: KVRegion | None = None

@@ -125,6 +125,22 @@ class Engine:
         self.step([req_id])
         return pol
 
+    def check_loaded(self, ctx, ids) -> None:
+        """vLLM's side of a finished load: prepare_load, every chunk's row byte-compared with what `store` wrote
+        for it (the first differing chunk named), complete_load, the request finished."""
+        keys = [key(i) for i in ids]
+        with self.lock:
+            spec = self.mgr.prepare_load(keys, ctx)
+        rows = np.asarray(self.view)
+        got = rows[np.asarray(spec.chunk_ids)].view(np.int8)
+        want = np.stack([payload(i) for i in ids]) if self.row == ROW else payloads(ids, self.row)
+        bad = np.flatnonzero((got != want).any(axis=1))
+        del rows
+        assert bad.size == 0, f"{bad.size} of {len(ids)} chunks differ after the load (first: chunk {ids[bad[0]]})"
+        with self.lock:
+            self.mgr.complete_load(keys, ctx)
+            self.mgr.on_request_finished(ctx)
+
     def lookup(self, ctx, ids) -> list:
         with self.lock:
             return [self.mgr.lookup(key(i), ctx) for i in ids]

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from p2pworker import api
-from tests.vllm.harness import Engine, LookupResult, ReqContext, key, payloads, run_until
+from tests.vllm.harness import Engine, LookupResult, ReqContext, run_until
 
 pytestmark = pytest.mark.timeout(300)
 ROW = 4096
@@ -38,20 +37,6 @@ def _consumer(decode: Engine, prefill: Engine, req: str, kv: str, kind: str = "r
     return ctx
 
 
-def _check_landed(decode: Engine, ctx: ReqContext, ids) -> None:
-    keys = [key(i) for i in ids]
-    with decode.lock:
-        spec = decode.mgr.prepare_load(keys, ctx)
-    rows = np.asarray(decode.view)
-    got = rows[np.asarray(spec.chunk_ids)].view(np.int8)
-    bad = np.flatnonzero((got != payloads(ids, ROW)).any(axis=1))
-    del rows
-    assert bad.size == 0, f"{bad.size} of {len(ids)} chunks differ after the P2P load (first: chunk {ids[bad[0]]})"
-    with decode.lock:
-        decode.mgr.complete_load(keys, ctx)
-        decode.mgr.on_request_finished(ctx)
-
-
 @pytest.mark.parametrize("n", [8192, 65_536])
 def test_a_long_prompt_pd_request_lands_byte_exact_as_one_job(free_port, n):
     prefill, decode = _engines(free_port, n)
@@ -66,7 +51,7 @@ def test_a_long_prompt_pd_request_lands_byte_exact_as_one_job(free_port, n):
         run_until([decode, prefill], lambda: decode.idle() and prefill.idle(), timeout_s=180)
         total_s = time.perf_counter() - t0
         assert decode.lookup(ctx, ids) == [LookupResult.HIT] * n
-        _check_landed(decode, ctx, ids)
+        decode.check_loaded(ctx, ids)
         st_p, st_d = prefill.tier.counters(), decode.tier.counters()
         assert st_d["loads_ok"] == 1 and st_d["loads_failed"] == 0, st_d
         assert st_p["stores_failed"] == 0 and st_p["jobs_in_flight"] == 0, st_p
@@ -89,7 +74,7 @@ def test_a_symmetric_lookup_of_65536_keys_then_its_load(free_port):
         reader.step(["sym"])
         run_until([reader, owner], lambda: reader.idle() and owner.idle(), timeout_s=180)
         assert reader.lookup(ctx, ids) == [LookupResult.HIT] * n
-        _check_landed(reader, ctx, ids)
+        reader.check_loaded(ctx, ids)
         assert owner.tier.counters()["stores_failed"] == 0
     finally:
         reader.close()
@@ -130,7 +115,7 @@ def test_jobs_past_the_limits_fail_cleanly_and_the_engine_keeps_serving(free_por
         assert decode.lookup(ctx3, ids) == [LookupResult.HIT_PENDING] * len(ids)
         decode.step(["d3"])
         run_until([decode, prefill], lambda: decode.idle() and prefill.idle(), timeout_s=60)
-        _check_landed(decode, ctx3, ids)
+        decode.check_loaded(ctx3, ids)
         assert decode.tier.counters()["loads_ok"] == 1
     finally:
         decode.close()

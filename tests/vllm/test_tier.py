@@ -6,12 +6,11 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 import vllm
 
 from p2pworker import api
-from tests.vllm.harness import ROW, Engine, LookupResult, ReqContext, key, payload, run_until
+from tests.vllm.harness import ROW, Engine, LookupResult, ReqContext, run_until
 from vllm_adapter.tier import M_DEATHS, M_IN_FLIGHT, M_LOADS, TIER_METRICS, P2PWorkerTier, PDRole, RoleKind, parse_role
 
 pytestmark = pytest.mark.timeout(180)
@@ -53,15 +52,7 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     assert decode.tier._outbox == [] and decode.tier._jobs
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
     assert decode.lookup(ctx, ids) == [LookupResult.HIT] * len(ids)
-    with decode.lock:
-        spec = decode.mgr.prepare_load([key(i) for i in ids], ctx)
-    rows = np.asarray(decode.view)
-    for i, r in zip(ids, spec.chunk_ids.tolist()):
-        assert (rows[r] == payload(i)).all(), f"chunk {i} differs after the P2P load"
-    del rows
-    with decode.lock:
-        decode.mgr.complete_load([key(i) for i in ids], ctx)
-        decode.mgr.on_request_finished(ctx)
+    decode.check_loaded(ctx, ids)
     st_p, st_d = prefill.tier.counters(), decode.tier.counters()
     assert st_d["loads_ok"] == 1 and st_d["loads_failed"] == 0
     assert st_p["stores_ok"] >= 1 and st_p["stores_failed"] == 0 and st_p["jobs_in_flight"] == 0
@@ -198,15 +189,7 @@ def test_reset_cache_ends_parked_stores_at_once_and_the_tier_serves_on(pd):
     decode.step(["d-kv-r2"])
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
     assert decode.lookup(ctx, ids) == [LookupResult.HIT] * 2
-    with decode.lock:
-        spec = decode.mgr.prepare_load([key(i) for i in ids], ctx)
-    rows = np.asarray(decode.view)
-    for i, r in zip(ids, spec.chunk_ids.tolist()):
-        assert (rows[r] == payload(i)).all(), f"chunk {i} differs after the reset"
-    del rows
-    with decode.lock:
-        decode.mgr.complete_load([key(i) for i in ids], ctx)
-        decode.mgr.on_request_finished(ctx)
+    decode.check_loaded(ctx, ids)
 
 
 def test_drain_kills_a_worker_that_keeps_a_job_past_the_longest_lease(free_port):
@@ -329,14 +312,7 @@ def test_symmetric_sharing_retry_then_hit_and_bytes_land(pd):
     reader.step(["sym"])
     run_until([reader, owner], lambda: reader.idle() and owner.idle())
     assert reader.lookup(ctx, ids) == [LookupResult.HIT] * 3
-    with reader.lock:
-        spec = reader.mgr.prepare_load([key(i) for i in ids], ctx)
-    rows = np.asarray(reader.view)
-    assert all((rows[r] == payload(i)).all() for i, r in zip(ids, spec.chunk_ids.tolist()))
-    del rows
-    with reader.lock:
-        reader.mgr.complete_load([key(i) for i in ids], ctx)
-        reader.mgr.on_request_finished(ctx)
+    reader.check_loaded(ctx, ids)
     assert owner.tier.counters()["stores_ok"] >= 1 and owner.tier.counters()["jobs_in_flight"] == 0
 
 
