@@ -17,6 +17,22 @@ from p2pworker.shm.region import RegionHandle
 
 Scalar = Union[str, int, float, bool, None]
 
+# The rings' contract: the commands and events below and what each means.  The adapter and its worker can be
+# different p2pworker releases (an operator-launched worker, `rings`: another image, another install), so each side
+# says its RING_API (AttachRegion.api, Ready.api) and refuses any other: an older worker would otherwise drop a
+# command it cannot decode (ResetCache, say) and leave the adapter waiting.  0 is a release from before this field.
+# Bump it whenever a command or event is added or changes meaning.
+RING_API = 1
+
+
+def ring_api_mismatch(theirs: int, who: str) -> str | None:
+    """Why ``who`` (speaking ring API ``theirs``) cannot be talked to, or None when it speaks ours."""
+    if theirs == RING_API:
+        return None
+    what = "a release from before the ring API was versioned" if theirs == 0 else f"ring API {theirs}"
+    return (f"{who} is {what}; this p2pworker speaks ring API {RING_API}: install the same p2pworker release "
+            f"in vLLM's environment and the worker's")
+
 
 # ---------------------------------------------------------------- commands
 class AttachRegion(msgspec.Struct, tag="attach_region"):
@@ -24,6 +40,7 @@ class AttachRegion(msgspec.Struct, tag="attach_region"):
 
     handle: RegionHandle
     identity: dict[str, Scalar] = {}
+    api: int = 0  # the adapter's RING_API (0: a release before it was sent)
 
 
 class OpenSession(msgspec.Struct, tag="open_session"):
@@ -103,6 +120,10 @@ class Ready(msgspec.Struct, tag="ready"):
     backend: str  # data backend in use
     fingerprint: str  # digest
     admin: str  # admin endpoint
+    api: int = 0  # the worker's RING_API (0: a release before it was sent)
+    # the longest a job can stay open in this worker once nothing new arrives (session.longest_hold_s of its own
+    # settings, which for an operator-launched worker come from its config, not the tier's): drain_jobs' bound
+    hold_s: float = 0.0
 
 
 class JobFinished(msgspec.Struct, tag="job_finished"):

@@ -18,7 +18,7 @@ from typing import Callable
 import msgspec
 
 from p2pworker import api, copytune
-from p2pworker.errors import MessageTooLarge, P2PError, PeerDead
+from p2pworker.errors import MessageTooLarge, P2PError, PeerDead, RingApiMismatch
 from p2pworker.shm import RegionHandle, Ring, Role
 
 log = logging.getLogger(__name__)
@@ -145,11 +145,14 @@ class WorkerClient:
 
     def attach(self, handle: RegionHandle, identity: dict | None = None, timeout_s: float = 60.0) -> api.Ready:
         """Hand the worker the region; returns its Ready (address, backend, fingerprint)."""
-        if not self.send(api.AttachRegion(handle, identity or {})):
+        if not self.send(api.AttachRegion(handle, identity or {}, api.RING_API)):
             raise P2PError("command ring full")
         ev = self.wait_for(lambda e: isinstance(e, (api.Ready, api.WorkerError)), timeout_s)
         if isinstance(ev, api.WorkerError):
             raise P2PError(f"worker {self.name} could not attach the region: {ev.message}")
+        why = api.ring_api_mismatch(ev.api, f"worker {self.name}")
+        if why is not None:
+            raise RingApiMismatch(why)
         self.ready = ev
         self.cmd.unlink()  # both sides attached: a crash now leaves nothing in /dev/shm
         self.evt.unlink()

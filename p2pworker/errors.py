@@ -73,6 +73,11 @@ class FingerprintMismatch(P2PError):
         self.diffs = diffs
 
 
+class RingApiMismatch(P2PError):
+    """The adapter and its worker are different p2pworker releases that disagree on the rings' commands and events
+    (api.RING_API): a configuration error, restarting does not heal it."""
+
+
 class AuthError(P2PError):
     """A peer failed to prove it holds the shared secret."""
 

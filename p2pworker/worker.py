@@ -48,6 +48,7 @@ from p2pworker.errors import (
     P2PError,
     PeerUnusable,
     RemoteProtocolError,
+    RingApiMismatch,
     TransferFailed,
 )
 from p2pworker.fingerprint import Fingerprint
@@ -73,7 +74,7 @@ from p2pworker.session import (
     State,
 )
 from p2pworker.session.reporter import Event as ReportedEvent
-from p2pworker.session.session import bye_reason
+from p2pworker.session.session import bye_reason, longest_hold_s
 from p2pworker.shm import KVRegion, Ring, Role
 
 log = logging.getLogger("p2pworker.worker")
@@ -566,7 +567,7 @@ class Worker:
                 # Configuration errors (the data plane cannot run here, no secret) do not heal by restarting;
                 # a port in use or a full /dev/shm may.
                 self._error(f"{type(cmd).__name__}: {e}", attach=attach,
-                            fatal=attach and isinstance(e, (DataPlaneUnavailable, AuthError)))
+                            fatal=attach and isinstance(e, (DataPlaneUnavailable, AuthError, RingApiMismatch)))
             except Exception as e:
                 if not isinstance(cmd, api.AttachRegion):
                     raise
@@ -660,6 +661,9 @@ class Worker:
     def _attach(self, cmd: api.AttachRegion) -> None:
         if self.region is not None:
             raise P2PError("a region is attached already")
+        why = api.ring_api_mismatch(cmd.api, "the adapter that created our rings")
+        if why is not None:
+            raise RingApiMismatch(why)
         cfg = self.cfg
         region = KVRegion.attach(cmd.handle, populate=cfg.prefault)
         try:
@@ -691,7 +695,8 @@ class Worker:
         )
         log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
                  region.num_blocks, region.block_bytes, ctl.address, data.backend, self.fingerprint.digest)
-        self._emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint))
+        self._emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint,
+                             api=api.RING_API, hold_s=longest_hold_s(cfg.session)))
 
     # ------------------------------------------------------------ sessions
     def _session_for(self, address: str, cmd: Any = None) -> tuple[Session | None, str]:

@@ -72,7 +72,7 @@ from p2pworker.client import WorkerClient
 from p2pworker.config import ConfigError, TierSettings, WorkerConfig
 from p2pworker.config import tier_settings as _tier_settings
 from p2pworker.errors import MessageTooLarge, P2PError
-from p2pworker.session.session import LEASE_DRIFT, LEASE_MARGIN_S
+from p2pworker.session.session import longest_hold_s
 from p2pworker.shm.maps import handle_for_range
 
 log = logging.getLogger("vllm_adapter.tier")
@@ -255,10 +255,9 @@ class P2PWorkerTier(SecondaryTierManager):
         self._backoff_s = RESTART_MIN_S
         self._stall_s = float(worker_stall_s)
         # drain_jobs: the longest a job of a live worker can stay open (a lease the worker grants, or our load and
-        # the settling of its reads), plus slack; then the worker is killed
-        ss = wcfg.session
-        self._drain_s = max(ss.max_lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S,
-                            ss.load_timeout_s + ss.settle_timeout_s) + DRAIN_SLACK_S
+        # the settling of its reads), plus slack; then the worker is killed.  Its Ready replaces this with the bound
+        # from the worker's own settings (an operator-launched worker's come from its config, not ours).
+        self._drain_s = longest_hold_s(wcfg.session) + DRAIN_SLACK_S
         self._last_event = time.monotonic()
         self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
         self._fatal: str | None = None  # the worker reported a configuration error: no restarts
@@ -289,7 +288,7 @@ class P2PWorkerTier(SecondaryTierManager):
             else:
                 self._client = WorkerClient(self._name, config_path=self._worker_config, args=self._worker_args)
             self._ready = False
-            if not self._client.send(api.AttachRegion(self._handle, self._identity)):
+            if not self._client.send(api.AttachRegion(self._handle, self._identity, api.RING_API)):
                 raise P2PError("command ring full at start")
         except (P2PError, OSError) as e:
             log.error("starting p2pworker failed: %s", e)
@@ -354,6 +353,13 @@ class P2PWorkerTier(SecondaryTierManager):
             elif isinstance(ev, api.PeerLookup):
                 self._to_serve.append(ev)
             elif isinstance(ev, api.Ready):
+                why = api.ring_api_mismatch(ev.api, f"p2pworker {self._name} (control {ev.address})")
+                if why is not None:  # another release: it would drop commands it cannot decode (an operator's)
+                    log.error("p2pworker: %s", why)
+                    self._fatal = why
+                    self._worker_died(f"configuration error: {why}")
+                    return
+                self._drain_s = ev.hold_s + DRAIN_SLACK_S
                 self._ready = True
                 self._attach_error = None
                 self._last_event = time.monotonic()

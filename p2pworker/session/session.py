@@ -181,6 +181,13 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_inbound_lookups: PosInt = 1024
 
 
+def longest_hold_s(cfg: SessionConfig) -> float:
+    """The longest a job can stay open in a worker with these settings once nothing new arrives (a reset, a drain):
+    a lease it grants (offered rows stay pinned until the consumer's Release or the hold's end) or one of its own
+    loads and the settling of its reads.  The adapter waits this long (plus slack) before it kills the worker."""
+    return max(cfg.max_lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S, cfg.load_timeout_s + cfg.settle_timeout_s)
+
+
 class Rounds:
     """Worker-wide round numbers: unique across every session and reconnect of this worker."""
 

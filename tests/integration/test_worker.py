@@ -18,6 +18,8 @@ import pytest
 
 from p2pworker import api, copytune
 from p2pworker.client import WorkerClient
+from p2pworker.errors import RingApiMismatch
+from p2pworker.session.session import SessionConfig, longest_hold_s
 from p2pworker.shm import KVRegion
 from p2pworker.shm.sweep import leftovers
 from tests.ports import free_port
@@ -505,4 +507,56 @@ def test_an_operator_launched_worker_waits_for_the_event_ring_created_after_the_
         for r in rings:
             r.unlink()
             r.close()
+    assert code == 0
+
+
+@pytest.mark.parametrize("theirs, says", [(0, "a release from before the ring API was versioned"),
+                                          (api.RING_API + 1, f"ring API {api.RING_API + 1}")])
+def test_a_worker_refuses_an_adapter_of_another_release_as_a_configuration_error(shm_prefix, tmp_path, theirs, says):
+    """An adapter of another p2pworker release (an operator-launched worker in another image) may send commands this
+    worker cannot decode (it would drop them: a ResetCache never answered).  Its AttachRegion's ring API differs:
+    the worker refuses it as fatal (the adapter does not restart it) and says both versions; no Ready."""
+    reg = KVRegion.create(f"{shm_prefix}oldad", 8, 4096)
+    c = WorkerClient("oldad", args=["--port", "0", "--admin", str(tmp_path / "oldad.admin")], env=ENV)
+    try:
+        assert c.send(api.AttachRegion(reg.handle, {"model": "test"}, theirs))
+        ev = c.wait_for(lambda e: isinstance(e, (api.Ready, api.WorkerError)), 30)
+        assert isinstance(ev, api.WorkerError), f"a worker attached for an adapter of ring API {theirs}: {ev}"
+        assert ev.fatal and ev.attach and says in ev.message and f"speaks ring API {api.RING_API}" in ev.message
+    finally:
+        code = c.close()
+        reg.close()
+    assert code == 0
+
+
+def test_ready_says_the_ring_api_and_the_longest_hold_from_the_workers_own_settings(shm_prefix, tmp_path):
+    """The adapter's drain bound comes from the worker's Ready: its own [session] settings, which for an
+    operator-launched worker are not the tier's."""
+    reg = KVRegion.create(f"{shm_prefix}hold", 8, 4096)
+    settings = {"session": {"max_lease_s": 900.0, "load_timeout_s": 20.0}}
+    c = WorkerClient("hold", args=["--port", "0", "--admin", str(tmp_path / "hold.admin"),
+                                   "--settings-json", json.dumps(settings)], env=ENV)
+    try:
+        ready = c.attach(reg.handle, {"model": "test"})
+        assert ready.api == api.RING_API
+        assert ready.hold_s == pytest.approx(longest_hold_s(SessionConfig(max_lease_s=900.0, load_timeout_s=20.0)))
+        assert ready.hold_s > longest_hold_s(SessionConfig()) + 500
+    finally:
+        code = c.close()
+        reg.close()
+    assert code == 0
+
+
+def test_a_client_refuses_a_worker_of_another_release(shm_prefix, tmp_path):
+    """The other direction: a worker whose Ready has no ring API (an older release) is refused by name."""
+    reg = KVRegion.create(f"{shm_prefix}oldw", 8, 4096)
+    c = WorkerClient("oldw", args=["--port", "0", "--admin", str(tmp_path / "oldw.admin")],
+                     env={**ENV, "P2PWORKER_HOOK": "tests.hooks.old_release:install",
+                          "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        with pytest.raises(RingApiMismatch, match="a release from before the ring API was versioned"):
+            c.attach(reg.handle, {"model": "test"})
+    finally:
+        code = c.close()
+        reg.close()
     assert code == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -10,8 +11,20 @@ import pytest
 import vllm
 
 from p2pworker import api
+from p2pworker.errors import P2PError
+from p2pworker.session.session import SessionConfig, longest_hold_s
 from tests.vllm.harness import ROW, Engine, LookupResult, ReqContext, run_until
-from vllm_adapter.tier import M_DEATHS, M_IN_FLIGHT, M_LOADS, TIER_METRICS, P2PWorkerTier, PDRole, RoleKind, parse_role
+from vllm_adapter.tier import (
+    DRAIN_SLACK_S,
+    M_DEATHS,
+    M_IN_FLIGHT,
+    M_LOADS,
+    TIER_METRICS,
+    P2PWorkerTier,
+    PDRole,
+    RoleKind,
+    parse_role,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -322,13 +335,19 @@ def test_attaches_to_an_operator_launched_worker(free_port):
     from pathlib import Path
 
     prefix = f"p2pw_operator_{os.getpid()}"
+    # the operator's own settings: a longer lease than the tier's defaults (drain_jobs must wait for it, not kill
+    # the worker mid-lease at the bound the tier's settings would give)
+    settings = {"session": {"max_lease_s": 900.0}}
     worker = subprocess.Popen([str(Path(sys.executable).with_name("p2pworker")), "launch", "--rings", prefix,
-                               "--wait-rings", "60", "--port", "0", "--name", "operator"])
+                               "--wait-rings", "60", "--port", "0", "--name", "operator",
+                               "--settings-json", json.dumps(settings)])
     prefill = decode = None
     try:
         prefill = Engine("opp", free_port())
         decode = Engine("opd", free_port(), rings=prefix)  # no spawn: attach to the worker above
         assert decode.tier._client.proc is None and decode.tier._ready
+        assert decode.tier._drain_s == pytest.approx(longest_hold_s(SessionConfig(max_lease_s=900.0)) + DRAIN_SLACK_S)
+        assert prefill.tier._drain_s == pytest.approx(longest_hold_s(SessionConfig()) + DRAIN_SLACK_S)
         host, port = prefill.tier.worker_address.split(":")
         prefill.store("p", [1, 2], {"remote_decoder": {"kv_request_id": "op-1"}})
         ctx = ReqContext(req_id="d", kv_transfer_params={
@@ -345,3 +364,16 @@ def test_attaches_to_an_operator_launched_worker(free_port):
                 e.close()
         code = worker.wait(15)  # the operator's worker stops once its adapter closed the rings
     assert code == 0
+
+
+def test_a_worker_of_another_release_is_refused_at_start_by_name(free_port, monkeypatch):
+    """A worker that does not speak our ring API (here: a Ready without it, as a release before it was versioned
+    sends) would drop commands it cannot decode; the tier refuses to start with it and says why, at once."""
+    from pathlib import Path
+
+    monkeypatch.setenv("P2PWORKER_HOOK", "tests.hooks.old_release:install")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[2]))
+    t0 = time.monotonic()
+    with pytest.raises(P2PError, match="a release from before the ring API was versioned"):
+        Engine("old", free_port())
+    assert time.monotonic() - t0 < 60
