@@ -103,6 +103,8 @@ def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port:
         tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port}
         if kind == "ours-listed" and peer_port:  # the decode tier lists the prefill worker: connected at start
             tier["peers"] = [f"127.0.0.1:{peer_port}"]
+        if kind == "ours-2copy":  # two copy threads for a large same-host copy (the default on >= 4 CPUs)
+            tier["worker_settings"] = {"data": {"copy_threads": 2}}
         if kind == "ours-noprefault":  # the consumer's worker copies out of a peer region it did not pre-fault
             tier["worker_settings"] = {"data": {"prefault_peers": False}}
     elif kind.startswith("ideal"):  # the floors: no peer, bytes staged in-process (benchmarks/ideal_tier.py)
@@ -571,8 +573,9 @@ def main() -> None:
     ap.add_argument("--tiers", default="ours,intree",
                     help="ours, ours-listed (the decode tier lists the prefill worker in `peers`), ours-noprefault "
                          "([data] prefault_peers = false), ours-noahead (the session opened by the first load, "
-                         "not at on_new_request), intree, ideal (a floor: vLLM's own passes and one "
-                         "in-process copy on a thread), ideal-nocopy (vLLM's own passes alone; no byte check); "
+                         "not at on_new_request), ours-2copy ([data] copy_threads = 2; the default is 1 below 4 "
+                         "CPUs), intree, ideal (a floor: vLLM's own passes and one in-process copy on a thread), "
+                         "ideal-nocopy (vLLM's own passes alone; no byte check); "
                          "benchmarks/ideal_tier.py")
     ap.add_argument("--json", metavar="FILE", help="also write every figure (per method) to FILE")
     a = ap.parse_args()

@@ -21,7 +21,7 @@ from msgspec import Meta
 
 from p2pworker.control.base import DEFAULT_PORT, HOST_ENV, PORT_ENV
 from p2pworker.control.zmq_control import ControlConfig
-from p2pworker.schema import NonNeg, Port, Pos, PosInt
+from p2pworker.schema import NonNeg, NonNegInt, Port, Pos, PosInt
 from p2pworker.session.session import SessionConfig
 
 Backend = Literal["auto", "nixl", "zmq"]
@@ -37,7 +37,9 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True):
     # a peer on this host whose region file we provably see (boot id, its worker's pid, the file's identity):
     # copy its rows ourselves out of a read-only map of that file; false: never (and do not offer ours)
     same_host: bool = True
-    copy_threads: PosInt = 2  # threads (this one included) for a same-host copy of >= 4 MiB
+    # threads (this one included) for a same-host copy of >= 4 MiB; 0: samehost.auto_copy_threads (1 on fewer than
+    # 4 CPUs, where a helper thread only waits for a core the schedulers and the peer's worker need, else 2)
+    copy_threads: NonNegInt = 0
     # with same_host: map a peer's region into our page tables on a background thread once it is mapped, so the
     # first copies out of it do not fault page by page (its pages in memory only; p2pworker.shm.prefault)
     prefault_peers: bool = True

@@ -14,6 +14,7 @@ from msgspec import Meta
 Pos = Annotated[float, Meta(gt=0)]  # an interval or timeout: zero or less is a mistake
 NonNeg = Annotated[float, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
 Port = Annotated[int, Meta(ge=0, le=65535)]  # 0: any free port
 Lease = Annotated[float, Meta(gt=0, le=3600)]  # a lease a producer may grant (protocol MAX_LEASE_MS)
 DPIndex = Annotated[int, Meta(ge=0, le=4095)]

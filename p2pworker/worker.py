@@ -41,6 +41,7 @@ from p2pworker.control.lane import Lane, LaneBroken, LaneClosed
 from p2pworker.data import DataTransport, make_data_transport
 from p2pworker.data.handover import TIMEOUT_S as LANE_TIMEOUT_S
 from p2pworker.data.handover import LANE_TAKEN, LaneDial, LaneRefused, lane_ids
+from p2pworker.data.samehost import auto_copy_threads
 from p2pworker.errors import (
     AuthError,
     DataPlaneUnavailable,
@@ -665,6 +666,7 @@ class Worker:
         if why is not None:
             raise RingApiMismatch(why)
         cfg = self.cfg
+        copy_threads = cfg.data.copy_threads or auto_copy_threads(len(os.sched_getaffinity(0)))
         region = KVRegion.attach(cmd.handle, populate=cfg.prefault)
         try:
             self.fingerprint = Fingerprint.build(
@@ -677,7 +679,8 @@ class Worker:
             data = make_data_transport(
                 region, backend=cfg.data.backend, agent_name=f"{cfg.name}-{ctl.node_id}", host=cfg.control.host,
                 max_piece_bytes=cfg.data.max_piece_bytes, post_budget_bytes=cfg.data.post_budget_bytes,
-                same_host=cfg.data.same_host, copy_threads=cfg.data.copy_threads,
+                same_host=cfg.data.same_host,
+                copy_threads=copy_threads,
                 prefault_peers=cfg.data.prefault_peers,
             )
         except BaseException:
@@ -693,8 +696,9 @@ class Worker:
             reporter=self.reporter, lot=lot, clock=self.clock, config=cfg.session,
             lanes=cfg.data.same_host and cfg.data.lane and data.lane_server() is not None,
         )
-        log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s",
-                 region.num_blocks, region.block_bytes, ctl.address, data.backend, self.fingerprint.digest)
+        log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s, same-host copies on %d "
+                 "thread(s)", region.num_blocks, region.block_bytes, ctl.address, data.backend,
+                 self.fingerprint.digest, copy_threads)
         self._emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint,
                              api=api.RING_API, hold_s=longest_hold_s(cfg.session)))
 

@@ -266,6 +266,17 @@ def open_source(enabled: bool, info: PeerDataInfo, *, prefault: bool = False) ->
         raise NotSameHost(Refusal.UNUSABLE, f"{type(e).__name__}: {e}") from e
 
 
+AUTO_COPY_MIN_CPUS = 4
+
+
+def auto_copy_threads(cpus: int) -> int:
+    """``copy_threads = 0``: how many threads share a large same-host copy on a host where this process may run on
+    ``cpus`` CPUs.  Below 4, one (the loop's own): a helper waits for a core that vLLM's schedulers and the peer's
+    worker need, and a run of pd_tier on 2 CPUs was as fast or faster with one (README, "copy threads"); with more
+    cores a second one pays (48-51 vs 24-35 GB/s for a 16 MiB copy with both of 2 cores free)."""
+    return 1 if cpus < AUTO_COPY_MIN_CPUS else 2
+
+
 class Copier:
     """Copies runs of rows from a :class:`SameHostSource` into our region: one ``memmove`` per run.  A piece of at
     least ``split_bytes`` is cut into chunks of ``chunk_bytes`` that ``threads`` threads (this one included) take

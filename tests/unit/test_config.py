@@ -41,6 +41,7 @@ def test_overrides_win_and_unknown_keys_are_named(tmp_path):
     ("[worker]\nprefault = 'yes'\n", "$.worker.prefault", "Expected `bool`"),
     ("[session]\nload_timeout_s = 7200\n", "$.session.load_timeout_s", "<= 3600"),
     ("[control]\nmax_frame_bytes = 1024\n", "$.control.max_frame_bytes", ">= 4194304"),
+    ("[data]\ncopy_threads = -1\n", "$.data.copy_threads", ">= 0"),
     ("session = 3\n", "$.session", "Expected `object`, got `int`"),
 ])
 def test_types_ranges_and_enums_are_checked_naming_file_and_path(tmp_path, text, path, what):

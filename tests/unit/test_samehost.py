@@ -748,3 +748,10 @@ def test_the_walk_populates_only_the_rows_and_ends_done(regions, server):
         assert plain.prefault_status() is None  # not asked: no walk
     finally:
         plain.close()
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 1), (3, 1), (4, 2), (64, 2)])
+def test_copy_threads_0_means_one_thread_below_4_cpus_else_two(cpus, threads):
+    """[data] copy_threads = 0 (the default): on a host with few CPUs a helper thread only waits for a core the
+    schedulers and the peer's worker need (pd_tier on 2 CPUs was as fast or faster with one)."""
+    assert samehost.auto_copy_threads(cpus) == threads
