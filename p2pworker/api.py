@@ -20,8 +20,11 @@ Scalar = Union[str, int, float, bool, None]
 # The rings' contract: the commands and events below and what each means.  The adapter and its worker can be
 # different p2pworker releases (an operator-launched worker, `rings`: another image, another install), so each side
 # says its RING_API (AttachRegion.api, Ready.api) and refuses any other: an older worker would otherwise drop a
-# command it cannot decode (ResetCache, say) and leave the adapter waiting.  0 is a release from before this field.
-# Bump it whenever a command or event is added or changes meaning.
+# command it cannot decode (ResetCache, say: vLLM's reset would then wait out the whole drain bound and kill the
+# worker).  0 is a release from before this field.  Bump it whenever a command or event is added or changes meaning.
+# The check needs AttachRegion itself to decode on the other side: its RegionHandle forbids unknown fields, so a
+# field added there makes an older worker fail to decode it, which the worker reports as this same mismatch
+# (an undecodable command before any region is attached).
 RING_API = 1
 
 

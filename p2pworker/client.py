@@ -152,7 +152,7 @@ class WorkerClient:
             raise P2PError(f"worker {self.name} could not attach the region: {ev.message}")
         why = api.ring_api_mismatch(ev.api, f"worker {self.name}")
         if why is not None:
-            raise RingApiMismatch(why)
+            raise RingApiMismatch(why, ev.api, api.RING_API)
         self.ready = ev
         self.cmd.unlink()  # both sides attached: a crash now leaves nothing in /dev/shm
         self.evt.unlink()

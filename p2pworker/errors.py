@@ -75,7 +75,11 @@ class FingerprintMismatch(P2PError):
 
 class RingApiMismatch(P2PError):
     """The adapter and its worker are different p2pworker releases that disagree on the rings' commands and events
-    (api.RING_API): a configuration error, restarting does not heal it."""
+    (api.RING_API): a configuration error, restarting the same worker does not heal it."""
+
+    def __init__(self, message: str, theirs: int, ours: int):
+        super().__init__(message)
+        self.theirs, self.ours = theirs, ours
 
 
 class AuthError(P2PError):

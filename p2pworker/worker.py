@@ -41,7 +41,7 @@ from p2pworker.control.lane import Lane, LaneBroken, LaneClosed
 from p2pworker.data import DataTransport, make_data_transport
 from p2pworker.data.handover import TIMEOUT_S as LANE_TIMEOUT_S
 from p2pworker.data.handover import LANE_TAKEN, LaneDial, LaneRefused, lane_ids
-from p2pworker.data.samehost import auto_copy_threads
+from p2pworker.data.samehost import auto_copy_threads, available_cpus
 from p2pworker.errors import (
     AuthError,
     DataPlaneUnavailable,
@@ -120,7 +120,7 @@ def poll_timeout_s(cfg: WorkerConfig, *, busy: bool, now: float, next_tick: floa
     return timeout_s
 
 
-def _attach_ring(name: str, role: Role, msg_type, deadline: float, clock: Callable[[], float]) -> Ring:
+def _attach_ring(name: str, role: Role, msg_type: Any, deadline: float, clock: Callable[[], float]) -> Ring:
     """Attach ring `name`, retrying every 0.1 s while it does not exist yet, until `deadline` (then raise)."""
     while True:
         try:
@@ -151,6 +151,7 @@ class Worker:
         self.reporter = Reporter()
         self.region: KVRegion | None = None
         self.data: DataTransport | None = None
+        self.copy_threads = 0  # set at attach
         self.ctl: ControlTransport | None = None
         self.ctx: SessionContext | None = None
         self.fingerprint: Fingerprint | None = None
@@ -549,7 +550,12 @@ class Worker:
             try:
                 cmd = self.cmd.try_get()
             except (msgspec.MsgspecError, UnicodeDecodeError) as e:
-                self._error(f"undecodable command dropped: {e}")
+                if self.region is None:  # the first command is the adapter's AttachRegion: another release's
+                    self._error(f"undecodable command before any region was attached ({e}): the adapter is likely "
+                                f"another p2pworker release (this worker speaks ring API {api.RING_API}): install "
+                                f"the same release in vLLM's environment and the worker's", fatal=True, attach=True)
+                else:
+                    self._error(f"undecodable command dropped: {e}")
                 continue
             except MessageTooLarge as e:
                 # The adapter refuses such a command before sending it (same limit): a job id we could not read would
@@ -664,9 +670,9 @@ class Worker:
             raise P2PError("a region is attached already")
         why = api.ring_api_mismatch(cmd.api, "the adapter that created our rings")
         if why is not None:
-            raise RingApiMismatch(why)
+            raise RingApiMismatch(why, cmd.api, api.RING_API)
         cfg = self.cfg
-        copy_threads = cfg.data.copy_threads or auto_copy_threads(len(os.sched_getaffinity(0)))
+        copy_threads = cfg.data.copy_threads or auto_copy_threads(available_cpus())
         region = KVRegion.attach(cmd.handle, populate=cfg.prefault)
         try:
             self.fingerprint = Fingerprint.build(
@@ -689,6 +695,7 @@ class Worker:
             region.close()
             raise
         self.region, self.ctl, self.data = region, ctl, data
+        self.copy_threads = copy_threads
         lot = ParkingLot(self.reporter, self.clock, block_bytes=region.block_bytes,
                          park_timeout_s=cfg.session.park_timeout_s)
         self.ctx = SessionContext(
@@ -1126,6 +1133,7 @@ class Worker:
             "node_id": self.ctl.node_id if self.ctl else None,
             "address": self.ctl.address if self.ctl else None,
             "backend": data.backend if data else None,
+            "copy_threads": self.copy_threads,  # [data] copy_threads, or what 0 (auto) chose for this host
             "fingerprint": self.fingerprint.digest if self.fingerprint else None,
             "uptime_s": round(self.clock() - self.started, 3),
             "state": "stopping" if self.stopping else "draining" if self.draining else

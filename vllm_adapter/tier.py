@@ -49,6 +49,7 @@ import ctypes
 import enum
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -262,6 +263,7 @@ class P2PWorkerTier(SecondaryTierManager):
         self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
         self._fatal: str | None = None  # the worker reported a configuration error: no restarts
         self._attach_error: str | None = None
+        self._started = False  # the engine's start (this __init__) is over
         self.restarts = 0
         self._stats = {"loads_ok": 0, "loads_failed": 0, "stores_ok": 0, "stores_failed": 0, "worker_deaths": 0}
         self._reported: dict[tuple[str, tuple[str, ...]], int] = {}  # what get_stats has handed vLLM so far
@@ -277,6 +279,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 self.shutdown()  # no orphan worker left behind by a failed engine start
                 raise P2PError(f"p2pworker for {self._name} did not become ready within {start_timeout_s} s{last}")
             time.sleep(0.01)
+        self._started = True  # vLLM serves from here on (see _config_error)
         log.info("P2PWorkerTier: worker %s ready at %s (data %s, fingerprint %s)", self._name,
                  self._client.ready.address, self._client.ready.backend, self._client.ready.fingerprint)
 
@@ -298,6 +301,20 @@ class P2PWorkerTier(SecondaryTierManager):
     def _schedule_restart(self) -> None:
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, RESTART_MAX_S)
+
+    def _config_error(self, why: str) -> None:
+        """The worker cannot serve as configured.  A spawned worker's configuration is ours (the tier's settings,
+        this install): restarting it would fail the same way, so the tier stops restarting (at start-up vLLM's start
+        fails with the cause).  An operator-launched worker (`rings`) that fails this way after start-up is fixed by
+        the operator relaunching it (the right release, its config): its rings are re-created after the backoff, as
+        for a worker that died, and this cause is logged again on every try until one attaches."""
+        if self._rings and self._started:
+            self._attach_error = why
+            self._worker_died(f"configuration error of the operator-launched worker ({why}); the rings are "
+                              f"re-created for the operator to relaunch it")
+        else:
+            self._fatal = why
+            self._worker_died(f"configuration error: {why}")
 
     def _worker_died(self, why: str) -> None:
         if self._fatal is not None:
@@ -354,12 +371,15 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._to_serve.append(ev)
             elif isinstance(ev, api.Ready):
                 why = api.ring_api_mismatch(ev.api, f"p2pworker {self._name} (control {ev.address})")
-                if why is not None:  # another release: it would drop commands it cannot decode (an operator's)
+                if why is not None:  # another release: it would drop commands it cannot decode
                     log.error("p2pworker: %s", why)
-                    self._fatal = why
-                    self._worker_died(f"configuration error: {why}")
+                    self._config_error(why)
                     return
-                self._drain_s = ev.hold_s + DRAIN_SLACK_S
+                if math.isfinite(ev.hold_s) and ev.hold_s > 0:
+                    self._drain_s = ev.hold_s + DRAIN_SLACK_S
+                else:  # never wait forever (inf) nor kill a live worker at once (0, NaN) on a bad value
+                    log.warning("p2pworker %s sent hold_s=%r; drain_jobs keeps its own bound of %.1f s",
+                                self._name, ev.hold_s, self._drain_s)
                 self._ready = True
                 self._attach_error = None
                 self._last_event = time.monotonic()
@@ -375,8 +395,7 @@ class P2PWorkerTier(SecondaryTierManager):
             elif isinstance(ev, api.WorkerError):
                 log.error("p2pworker: %s", ev.message)
                 if ev.fatal:
-                    self._fatal = ev.message
-                    self._worker_died(f"configuration error: {ev.message}")
+                    self._config_error(ev.message)
                     return
                 if ev.attach:  # this worker cannot serve; a new one may (a port freed, memory available)
                     self._attach_error = ev.message
@@ -619,8 +638,11 @@ class P2PWorkerTier(SecondaryTierManager):
                 parent.on_request_finished(ctx)
 
     def has_pending_work(self) -> bool:
+        # no worker: pending until one is restarted (vLLM keeps calling us meanwhile), but not for a tier that stopped
+        # restarting after a configuration error (vLLM would step for nothing forever)
         return bool(self._jobs or self._results or self._asking or self._lookups or self._to_serve
-                    or self._outbox) or self._client is None or self._client.cmd.pending_bytes > 0
+                    or self._outbox) or (self._client is None and self._fatal is None) or (
+                        self._client is not None and self._client.cmd.pending_bytes > 0)
 
     def drain_jobs(self) -> None:
         """vLLM's reset_cache (sleep, weight update), under its manager lock: when this returns every job is reported

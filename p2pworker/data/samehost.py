@@ -60,6 +60,7 @@ import enum
 import fcntl
 import itertools
 import logging
+import math
 import os
 import select
 from collections.abc import Iterator
@@ -269,11 +270,39 @@ def open_source(enabled: bool, info: PeerDataInfo, *, prefault: bool = False) ->
 AUTO_COPY_MIN_CPUS = 4
 
 
+def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota (a container limited to 2 CPUs
+    on a 64-core node has 64 in its mask but 2 CPUs' worth of time).  cgroup v2 ``cpu.max`` ("max 100000" or
+    "200000 100000"), else v1 ``cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; no readable quota: the mask."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = period = None
+    try:
+        with open(os.path.join(cgroup_root, "cpu.max")) as f:
+            q, p = f.read().split()[:2]
+        if q != "max":
+            quota, period = int(q), int(p)
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us")) as f:
+                q = int(f.read())
+            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us")) as f:
+                p = int(f.read())
+            if q > 0:
+                quota, period = q, p
+        except (OSError, ValueError):
+            pass
+    if quota and period and period > 0:
+        cpus = min(cpus, max(1, math.ceil(quota / period)))
+    return cpus
+
+
 def auto_copy_threads(cpus: int) -> int:
     """``copy_threads = 0``: how many threads share a large same-host copy on a host where this process may run on
-    ``cpus`` CPUs.  Below 4, one (the loop's own): a helper waits for a core that vLLM's schedulers and the peer's
-    worker need, and a run of pd_tier on 2 CPUs was as fast or faster with one (README, "copy threads"); with more
-    cores a second one pays (48-51 vs 24-35 GB/s for a 16 MiB copy with both of 2 cores free)."""
+    ``cpus`` CPUs (:func:`available_cpus`).  Below 4, one (the loop's own): a helper waits for a core that vLLM's
+    schedulers and the peer's worker need, and pd_tier on 2 CPUs was as fast or faster with one (README, "Copy
+    threads").  Two from 4 up, where a helper can have a core of its own: a second thread doubled a 16 MiB copy
+    (48-51 vs 24-35 GB/s) in a process that had both of this 2-CPU machine's cores to itself.  The threshold of 4
+    itself was not measured (no larger host here)."""
     return 1 if cpus < AUTO_COPY_MIN_CPUS else 2
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from p2pworker import api, copytune
 from p2pworker.client import WorkerClient
+from p2pworker.data import samehost
 from p2pworker.errors import RingApiMismatch
 from p2pworker.session.session import SessionConfig, longest_hold_s
 from p2pworker.shm import KVRegion
@@ -531,9 +532,9 @@ def test_a_worker_refuses_an_adapter_of_another_release_as_a_configuration_error
 
 def test_ready_says_the_ring_api_and_the_longest_hold_from_the_workers_own_settings(shm_prefix, tmp_path):
     """The adapter's drain bound comes from the worker's Ready: its own [session] settings, which for an
-    operator-launched worker are not the tier's."""
+    operator-launched worker are not the tier's.  A copy_threads that is set is used as set."""
     reg = KVRegion.create(f"{shm_prefix}hold", 8, 4096)
-    settings = {"session": {"max_lease_s": 900.0, "load_timeout_s": 20.0}}
+    settings = {"session": {"max_lease_s": 900.0, "load_timeout_s": 20.0}, "data": {"copy_threads": 3}}
     c = WorkerClient("hold", args=["--port", "0", "--admin", str(tmp_path / "hold.admin"),
                                    "--settings-json", json.dumps(settings)], env=ENV)
     try:
@@ -541,6 +542,7 @@ def test_ready_says_the_ring_api_and_the_longest_hold_from_the_workers_own_setti
         assert ready.api == api.RING_API
         assert ready.hold_s == pytest.approx(longest_hold_s(SessionConfig(max_lease_s=900.0, load_timeout_s=20.0)))
         assert ready.hold_s > longest_hold_s(SessionConfig()) + 500
+        assert status_of(tmp_path / "hold.admin")["copy_threads"] == 3
     finally:
         code = c.close()
         reg.close()
@@ -556,6 +558,38 @@ def test_a_client_refuses_a_worker_of_another_release(shm_prefix, tmp_path):
     try:
         with pytest.raises(RingApiMismatch, match="a release from before the ring API was versioned"):
             c.attach(reg.handle, {"model": "test"})
+    finally:
+        code = c.close()
+        reg.close()
+    assert code == 0
+
+
+def test_copy_threads_0_is_chosen_from_the_cpus_this_worker_may_use(pair, tmp_path):
+    """The default [data] copy_threads = 0 reaches the copier resolved (status shows what it uses), from the CPUs
+    this process may use (affinity, capped by a cgroup quota)."""
+    want = samehost.auto_copy_threads(samehost.available_cpus())
+    for name in ("wa", "wb"):
+        assert status_of(tmp_path / f"{name}.admin")["copy_threads"] == want >= 1
+
+
+def test_an_undecodable_first_command_is_refused_as_another_release(shm_prefix, tmp_path):
+    """The ring API check needs AttachRegion to decode: a later release whose RegionHandle has a field this one does
+    not know (it forbids unknown fields) is refused at once as fatal, naming the likely cause, not dropped while
+    vLLM waits out its start timeout."""
+
+    class FutureAttach(msgspec.Struct, tag="attach_region"):  # what a later adapter might send
+        handle: dict
+        identity: dict
+        api: int
+
+    reg = KVRegion.create(f"{shm_prefix}future", 8, 4096)
+    handle = {**msgspec.to_builtins(reg.handle), "numa_node": 1}
+    c = WorkerClient("future", args=["--port", "0", "--admin", str(tmp_path / "future.admin")], env=ENV)
+    try:
+        assert c.send(FutureAttach(handle, {"model": "test"}, api.RING_API + 1))
+        ev = c.wait_for(lambda e: isinstance(e, (api.Ready, api.WorkerError)), 30)
+        assert isinstance(ev, api.WorkerError) and ev.fatal and ev.attach, ev
+        assert "likely another p2pworker release" in ev.message and f"ring API {api.RING_API}" in ev.message
     finally:
         code = c.close()
         reg.close()

@@ -755,3 +755,21 @@ def test_copy_threads_0_means_one_thread_below_4_cpus_else_two(cpus, threads):
     """[data] copy_threads = 0 (the default): on a host with few CPUs a helper thread only waits for a core the
     schedulers and the peer's worker need (pd_tier on 2 CPUs was as fast or faster with one)."""
     assert samehost.auto_copy_threads(cpus) == threads
+
+
+@pytest.mark.parametrize("files, cap", [
+    ({"cpu.max": "200000 100000\n"}, 2),
+    ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs of time: a second thread still gets some
+    ({"cpu.max": "50000 100000\n"}, 1),
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu.max": "garbage"}, None),
+    ({}, None),
+])
+def test_available_cpus_is_the_affinity_mask_capped_by_a_cgroup_quota(tmp_path, files, cap):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    mask = len(os.sched_getaffinity(0))
+    assert samehost.available_cpus(str(tmp_path)) == (mask if cap is None else min(mask, cap))

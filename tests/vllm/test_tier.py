@@ -377,3 +377,89 @@ def test_a_worker_of_another_release_is_refused_at_start_by_name(free_port, monk
     with pytest.raises(P2PError, match="a release from before the ring API was versioned"):
         Engine("old", free_port())
     assert time.monotonic() - t0 < 60
+    assert _worker_children() == [], "the refused worker was left running"
+
+
+def _worker_children() -> list[int]:
+    """Live (not zombie) `p2pworker launch` processes whose parent is this test process."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"launch" in cmd and b"p2pworker" in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_an_operator_worker_of_another_release_after_start_is_waited_out_until_the_right_one_attaches(free_port,
+                                                                                                     tmp_path):
+    """`rings`: the operator's worker died and the operator relaunched one from another release.  The tier refuses
+    it by name (it would drop commands it cannot decode), but does not give up: relaunching the right release is
+    the operator's fix, so the rings are re-created and a worker of our release that attaches then serves."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    prefix = f"p2pw_oprel_{os.getpid()}"
+
+    def argv(n: int) -> list[str]:  # admin sockets in tmp_path: the first worker is SIGKILLed (cannot remove its own)
+        return [str(Path(sys.executable).with_name("p2pworker")), "launch", "--rings", prefix, "--wait-rings", "60",
+                "--port", "0", "--name", "oprel", "--admin", str(tmp_path / f"oprel{n}.admin")]
+
+    workers = [subprocess.Popen(argv(0))]
+    prefill = decode = None
+    try:
+        prefill = Engine("orp", free_port())
+        decode = Engine("ord", free_port(), rings=prefix)
+        workers[0].kill()  # the operator's worker dies
+        workers[0].wait(15)
+        old = subprocess.Popen(argv(1), env={**os.environ, "P2PWORKER_HOOK": "tests.hooks.old_release:install",
+                                          "PYTHONPATH": str(Path(__file__).parents[2])})
+        workers.append(old)
+        run_until([decode], lambda: decode.tier._attach_error is not None and "release" in decode.tier._attach_error)
+        assert decode.tier._fatal is None and not decode.tier._ready
+        assert old.wait(30) == 0, "the refused operator's worker did not stop once its rings were closed"
+        workers.append(subprocess.Popen(argv(2)))  # the right release
+        run_until([decode], lambda: decode.tier._ready)
+        ids = [5, 6]
+        host, port = prefill.tier.worker_address.split(":")
+        prefill.store("p-rel", ids, {"remote_decoder": {"kv_request_id": "kv-rel"}})
+        ctx = ReqContext(req_id="d-rel", kv_transfer_params={
+            "remote_prefiller": {"kv_request_id": "kv-rel", "remote_host": host, "remote_port": int(port)}})
+        with decode.lock:
+            decode.mgr.on_new_request(ctx)
+        assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 2
+        decode.step(["d-rel"])
+        run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
+        decode.check_loaded(ctx, ids)
+    finally:
+        for e in (decode, prefill):
+            if e is not None:
+                e.close()
+        for w in workers:
+            if w.poll() is None:
+                try:
+                    w.wait(15)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+                    w.wait(15)
+    assert workers[-1].returncode == 0
+
+
+def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_pending_work(free_port):
+    """A spawned worker's configuration error stops the restarts; vLLM must not keep stepping for a tier that
+    waits for nothing (has_pending_work was True forever once the worker was gone)."""
+    eng = Engine("cfgerr", free_port())
+    try:
+        eng.tier._config_error("test: a configuration error")
+        assert eng.tier._fatal is not None and eng.tier._client is None
+        assert not eng.tier.has_pending_work()
+    finally:
+        eng.close()
