@@ -332,6 +332,9 @@ class P2PWorkerTier(SecondaryTierManager):
         for rid, keys in self._lookups.values():
             self._answer(rid, keys, None)
         self._lookups.clear()
+        for (_, rid), keys in self._asking.items():  # asked, not sent yet: MISS as well (a tier that stops
+            self._answer(rid, keys, None)           # restarting would otherwise hold them, and vLLM step, forever)
+        self._asking.clear()
         self._to_serve.clear()
         self._outbox.clear()  # their jobs were failed above
         client, self._client, self._ready = self._client, None, False
@@ -378,7 +381,7 @@ class P2PWorkerTier(SecondaryTierManager):
                 if math.isfinite(ev.hold_s) and ev.hold_s > 0:
                     self._drain_s = ev.hold_s + DRAIN_SLACK_S
                 else:  # never wait forever (inf) nor kill a live worker at once (0, NaN) on a bad value
-                    log.warning("p2pworker %s sent hold_s=%r; drain_jobs keeps its own bound of %.1f s",
+                    log.warning("p2pworker %s sent hold_s=%r; drain_jobs keeps the bound it had, %.1f s",
                                 self._name, ev.hold_s, self._drain_s)
                 self._ready = True
                 self._attach_error = None

@@ -273,7 +273,9 @@ AUTO_COPY_MIN_CPUS = 4
 def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota (a container limited to 2 CPUs
     on a 64-core node has 64 in its mask but 2 CPUs' worth of time).  cgroup v2 ``cpu.max`` ("max 100000" or
-    "200000 100000"), else v1 ``cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; no readable quota: the mask."""
+    "200000 100000"), else v1 ``cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; no readable quota: the mask.  Only
+    the cgroup mounted at ``cgroup_root`` is read (a container's own, with a cgroup namespace or Docker's v1 mounts),
+    not a parent's quota nor a host process's systemd slice: there the mask is used, as before."""
     cpus = len(os.sched_getaffinity(0))
     quota = period = None
     try:
@@ -292,6 +294,7 @@ def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
         except (OSError, ValueError):
             pass
     if quota and period and period > 0:
+        # rounded up: 1.5 CPUs of time still leave a second thread room to run (3.5 -> 4 -> two copy threads)
         cpus = min(cpus, max(1, math.ceil(quota / period)))
     return cpus
 

@@ -458,8 +458,15 @@ def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_p
     waits for nothing (has_pending_work was True forever once the worker was gone)."""
     eng = Engine("cfgerr", free_port())
     try:
+        ctx = ReqContext(req_id="sym-cfg", kv_transfer_params={
+            "remote_kv_source": {"kv_request_id": "sym-cfg", "remote_host": "127.0.0.1", "remote_port": 9}})
+        with eng.lock:
+            eng.mgr.on_new_request(ctx)
+        assert eng.lookup(ctx, [1]) == [LookupResult.RETRY]  # asked: batched for the next poll, not sent yet
         eng.tier._config_error("test: a configuration error")
         assert eng.tier._fatal is not None and eng.tier._client is None
-        assert not eng.tier.has_pending_work()
+        assert not eng.tier.has_pending_work()  # the queued ask was answered (MISS) too, not kept forever
+        with eng.lock:
+            eng.mgr.on_request_finished(ctx)
     finally:
         eng.close()
