@@ -75,6 +75,7 @@ from p2pworker.config import tier_settings as _tier_settings
 from p2pworker.errors import MessageTooLarge, P2PError
 from p2pworker.session.session import longest_hold_s
 from p2pworker.shm.maps import handle_for_range
+from p2pworker.shm.ring import PeerStatus
 
 log = logging.getLogger("vllm_adapter.tier")
 
@@ -255,12 +256,15 @@ class P2PWorkerTier(SecondaryTierManager):
         self._off_thread_poll_at = -1e9  # last get_finished_jobs from vLLM's tier-poll thread (0.33)
         self._backoff_s = RESTART_MIN_S
         self._stall_s = float(worker_stall_s)
+        self._start_s = float(start_timeout_s)  # also bounds a restarted worker's way to Ready (see _pump)
+        self._starting_since: float | None = None  # a worker process exists, its Ready not read yet, since then
         # drain_jobs: the longest a job of a live worker can stay open (a lease the worker grants, or our load and
         # the settling of its reads), plus slack; then the worker is killed.  Its Ready replaces this with the bound
         # from the worker's own settings (an operator-launched worker's come from its config, not ours).
         self._drain_s = longest_hold_s(wcfg.session) + DRAIN_SLACK_S
         self._last_event = time.monotonic()
         self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
+        self._kill_reason = ""  # why, for the log line once it is gone
         self._fatal: str | None = None  # the worker reported a configuration error: no restarts
         self._attach_error: str | None = None
         self._started = False  # the engine's start (this __init__) is over
@@ -325,6 +329,7 @@ class P2PWorkerTier(SecondaryTierManager):
             log.error("p2pworker %s died (%s): failing %d job(s), restarting in %.0f s",
                       self._name, why, len(self._jobs), self._backoff_s)
         self._killing_since = None
+        self._starting_since = None
         self._stats["worker_deaths"] += 1
         now = time.monotonic()
         for job_id, job in list(self._jobs.items()):
@@ -384,6 +389,7 @@ class P2PWorkerTier(SecondaryTierManager):
                     log.warning("p2pworker %s sent hold_s=%r; drain_jobs keeps the bound it had, %.1f s",
                                 self._name, ev.hold_s, self._drain_s)
                 self._ready = True
+                self._starting_since = None
                 self._attach_error = None
                 self._last_event = time.monotonic()
                 self._backoff_s = RESTART_MIN_S
@@ -412,7 +418,7 @@ class P2PWorkerTier(SecondaryTierManager):
             self._next_liveness = now + LIVENESS_CHECK_S
             if not client.alive():
                 if self._killing_since is not None:
-                    self._worker_died(f"wedged (no heartbeat for {self._stall_s:g} s while its pid lived); killed")
+                    self._worker_died(f"{self._kill_reason}; killed")
                 else:
                     self._worker_died(f"exit code {client.proc.poll() if client.proc else '?'}")
                 return
@@ -421,8 +427,16 @@ class P2PWorkerTier(SecondaryTierManager):
                 # only once it is really gone: a stopped worker that resumed could still copy into our rows.
                 log.error("p2pworker %s sent nothing for %.1f s (heartbeat every %g s): killing it",
                           self._name, now - self._last_event, api.HEARTBEAT_S)
-                self._killing_since = now
-                client.kill()
+                self._kill(client, now, f"wedged (no heartbeat for {self._stall_s:g} s while its pid lived)")
+            elif self._started and self._killing_since is None and self._starting():
+                # A restarted worker that never says Ready (stuck importing, attaching, SIGSTOPped) is killed after
+                # the bound vLLM's start gives the first one; has_pending_work keeps vLLM stepping until then.
+                if self._starting_since is None:
+                    self._starting_since = now
+                elif now - self._starting_since > self._start_s:
+                    log.error("p2pworker %s not ready %.0f s after it started (start_timeout_s): killing it",
+                              self._name, now - self._starting_since)
+                    self._kill(client, now, f"not ready within start_timeout_s = {self._start_s:g} s")
         self._flush()
         for (address, rid), asking in list(self._asking.items()):  # one batched lookup per request and peer
             del self._asking[(address, rid)]
@@ -435,6 +449,19 @@ class P2PWorkerTier(SecondaryTierManager):
                     del self._lookups[lookup_id]
                     self._answer(rid, keys, None)
         self._flush()
+
+    def _kill(self, client: WorkerClient, now: float, why: str) -> None:
+        """SIGKILL a worker whose pid lives but that does not serve; its jobs fail once it is gone (_pump)."""
+        self._killing_since, self._kill_reason = now, why
+        client.kill()
+
+    def _starting(self) -> bool:
+        """A worker process exists and its Ready has not been read: one we spawned, or an operator's that attached
+        the rings (not one the operator has yet to launch: its AttachRegion waits in the ring, for as long as it
+        takes)."""
+        client = self._client
+        return client is not None and not self._ready and (
+            client.proc is not None or client.evt.peer_status() is not PeerStatus.PENDING)
 
     def _answer(self, rid: str, keys: list[bytes], present: list[bool] | None) -> None:
         """Record a peer's answer (None: it could not answer, so MISS).  Late answers for a finished request
@@ -643,8 +670,13 @@ class P2PWorkerTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         # no worker: pending until one is restarted (vLLM keeps calling us meanwhile), but not for a tier that stopped
         # restarting after a configuration error (vLLM would step for nothing forever)
+        # A worker that started and has not said Ready: its Ready is read only when vLLM calls us, and vLLM 0.32 (no
+        # tier-poll thread) calls only while this is True.  Left unread, the finished requests replayed on Ready
+        # never reach the worker, which already serves its port: a consumer's fetch for one of them then waits out
+        # the producer's fetch_timeout_s (20 s in CI's e2e run).  Bounded: such a worker is killed after
+        # start_timeout_s (_pump).
         return bool(self._jobs or self._results or self._asking or self._lookups or self._to_serve
-                    or self._outbox) or (self._client is None and self._fatal is None) or (
+                    or self._outbox) or (self._client is None and self._fatal is None) or self._starting() or (
                         self._client is not None and self._client.cmd.pending_bytes > 0)
 
     def drain_jobs(self) -> None:

