@@ -83,10 +83,17 @@ RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0
 LIVENESS_CHECK_S = 0.05
 POLL_THREAD_GONE_S = 0.1  # no off-thread poll for this long: on_schedule_end flushes commands itself
 RECENT_FINISHED_S, RECENT_FINISHED_MAX = 60.0, 4096  # the worker's default park_timeout_s
+# A new worker's ring holds api.RING_NSLOTS commands until the worker reads it (an operator may relaunch it much
+# later): the replay takes at most half, the newest, and leaves the rest to requests that finish meanwhile.
+REPLAY_IN_RING_MAX = api.RING_NSLOTS // 2
 # A request that will load from a peer asks the worker to open the session at once (OpenSession keep=False), at most
 # once per peer per this many seconds: for an open session it is a dict lookup in the worker, but not one per request.
 OPEN_AHEAD_S, OPEN_AHEAD_MAX = 5.0, 4096
 DRAIN_SLACK_S, DRAIN_LOG_S = 5.0, 10.0  # drain_jobs: slack past the longest lease; how often it says it waits
+# A worker still alive this long after our SIGKILL (not ours to kill: an operator's run as another user; or stuck in
+# the kernel): one with jobs is killed again and said in the log, every time (its jobs end once it is gone); one
+# without (it never said Ready, or its jobs ended) is given up then: its rings closed, the next worker started.
+KILL_RETRY_S = 10.0
 
 
 class _Kind(enum.Enum):
@@ -246,6 +253,10 @@ class P2PWorkerTier(SecondaryTierManager):
         # producer requests finished lately (kv_request_id -> when): replayed to a restarted worker so a
         # consumer's fetch for them is answered "nothing here" at once instead of after fetch_timeout_s
         self._recent_finished: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # ids in the current worker's command ring before its Ready was read; on Ready the rest of _recent_finished
+        # goes out.  Bounded by what the worker took off its ring before the tier's next poll read that Ready.
+        self._told_finished: set[str] = set()
+        self._abandoned: list[WorkerClient] = []  # workers given up alive (_kill_failed): reaped once they die
         self._client: WorkerClient | None = None
         self._ready = False
         self._restart_at = 0.0
@@ -264,6 +275,7 @@ class P2PWorkerTier(SecondaryTierManager):
         self._drain_s = longest_hold_s(wcfg.session) + DRAIN_SLACK_S
         self._last_event = time.monotonic()
         self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
+        self._kill_retry_at = 0.0  # ... and is killed again (and logged) from then on, every KILL_RETRY_S
         self._kill_reason = ""  # why, for the log line once it is gone
         self._fatal: str | None = None  # the worker reported a configuration error: no restarts
         self._attach_error: str | None = None
@@ -297,6 +309,11 @@ class P2PWorkerTier(SecondaryTierManager):
             self._ready = False
             if not self._client.send(api.AttachRegion(self._handle, self._identity, api.RING_API)):
                 raise P2PError("command ring full at start")
+            # Right behind the AttachRegion, not on Ready: the worker serves its port from the AttachRegion on, and
+            # reads these before it reads its sockets again, whether or not vLLM calls us to read its Ready (an idle
+            # vLLM 0.32 engine does not while an operator relaunches the worker).
+            self._told_finished.clear()
+            self._replay_finished()
         except (P2PError, OSError) as e:
             log.error("starting p2pworker failed: %s", e)
             self._client = None
@@ -320,8 +337,14 @@ class P2PWorkerTier(SecondaryTierManager):
             self._fatal = why
             self._worker_died(f"configuration error: {why}")
 
-    def _worker_died(self, why: str) -> None:
-        if self._fatal is not None:
+    def _worker_died(self, why: str, gone: bool = True) -> None:
+        """Every job and lookup of the worker ends (failed, MISS) and the next worker is started after the backoff.
+        ``gone=False``: a worker given up alive, holding no job: its rings are closed without waiting for it (it is
+        reaped, and its admin socket removed, once it dies: the liveness tick in _pump)."""
+        if not gone:
+            nxt = "re-creating the rings for the operator's next worker" if self._rings else "starting the next one"
+            log.error("p2pworker %s given up (%s): %s in %.0f s", self._name, why, nxt, self._backoff_s)
+        elif self._fatal is not None:
             log.error("p2pworker %s cannot serve (%s): failing %d job(s); NOT restarting it: fix the configuration "
                       "and restart vLLM (until then every transfer through this tier fails at once)",
                       self._name, why, len(self._jobs))
@@ -330,7 +353,8 @@ class P2PWorkerTier(SecondaryTierManager):
                       self._name, why, len(self._jobs), self._backoff_s)
         self._killing_since = None
         self._starting_since = None
-        self._stats["worker_deaths"] += 1
+        if gone:
+            self._stats["worker_deaths"] += 1
         now = time.monotonic()
         for job_id, job in list(self._jobs.items()):
             self._finish(job_id, False, None, now - job.t0, None)
@@ -345,7 +369,11 @@ class P2PWorkerTier(SecondaryTierManager):
         client, self._client, self._ready = self._client, None, False
         if client is not None:
             try:
-                client.close(timeout_s=0)
+                if gone:
+                    client.close(timeout_s=0)
+                else:
+                    client.abandon()  # close() would wait for a process that does not die
+                    self._abandoned.append(client)
             except Exception as e:  # the rings are ours; closing them must not take vLLM down
                 log.warning("closing the dead worker's rings: %s", e)
         self._schedule_restart()
@@ -378,6 +406,10 @@ class P2PWorkerTier(SecondaryTierManager):
             elif isinstance(ev, api.PeerLookup):
                 self._to_serve.append(ev)
             elif isinstance(ev, api.Ready):
+                if self._killing_since is not None:  # too late: no job goes to a worker we decided to kill
+                    log.warning("p2pworker %s said Ready after our SIGKILL (%s): ignored", self._name,
+                                self._kill_reason)
+                    continue
                 why = api.ring_api_mismatch(ev.api, f"p2pworker {self._name} (control {ev.address})")
                 if why is not None:  # another release: it would drop commands it cannot decode
                     log.error("p2pworker: %s", why)
@@ -396,7 +428,11 @@ class P2PWorkerTier(SecondaryTierManager):
                 client.ready = ev
                 client.cmd.unlink()
                 client.evt.unlink()
-                self._replay_finished()
+                self._trim_recent_finished()
+                told, self._told_finished = self._told_finished, set()
+                for rid in self._recent_finished:  # what the ring did not take before (_replay_finished)
+                    if rid not in told:
+                        self._send(api.RequestFinished(rid))
                 self._opened_ahead.clear()  # a new worker has no session yet
                 for peer in self._peers:  # kept connected by the worker from now on (re-opened if a session ends)
                     if not self._send(api.OpenSession(peer)):
@@ -416,19 +452,24 @@ class P2PWorkerTier(SecondaryTierManager):
         now = time.monotonic()
         if now >= self._next_liveness:  # ~2 us (waitpid) + ~15 us (/proc): not on every poll
             self._next_liveness = now + LIVENESS_CHECK_S
+            if self._abandoned:
+                self._reap_abandoned()
             if not client.alive():
                 if self._killing_since is not None:
                     self._worker_died(f"{self._kill_reason}; killed")
                 else:
                     self._worker_died(f"exit code {client.proc.poll() if client.proc else '?'}")
                 return
-            if self._ready and self._killing_since is None and now - self._last_event > self._stall_s:
+            if self._killing_since is not None:
+                if now >= self._kill_retry_at and self._kill_failed(client, now):
+                    return
+            elif self._ready and now - self._last_event > self._stall_s:
                 # The pid lives but the loop does not (SIGSTOP, a deadlock, a stuck syscall).  Its jobs are failed
                 # only once it is really gone: a stopped worker that resumed could still copy into our rows.
                 log.error("p2pworker %s sent nothing for %.1f s (heartbeat every %g s): killing it",
                           self._name, now - self._last_event, api.HEARTBEAT_S)
                 self._kill(client, now, f"wedged (no heartbeat for {self._stall_s:g} s while its pid lived)")
-            elif self._started and self._killing_since is None and self._starting():
+            elif self._started and self._starting():
                 # A restarted worker that never says Ready (stuck importing, attaching, SIGSTOPped) is killed after
                 # the bound vLLM's start gives the first one; has_pending_work keeps vLLM stepping until then.
                 if self._starting_since is None:
@@ -453,7 +494,32 @@ class P2PWorkerTier(SecondaryTierManager):
     def _kill(self, client: WorkerClient, now: float, why: str) -> None:
         """SIGKILL a worker whose pid lives but that does not serve; its jobs fail once it is gone (_pump)."""
         self._killing_since, self._kill_reason = now, why
+        self._kill_retry_at = now + KILL_RETRY_S
         client.kill()
+
+    def _kill_failed(self, client: WorkerClient, now: float) -> bool:
+        """The worker outlived our SIGKILL by KILL_RETRY_S.  True when it was given up (its rings are closed)."""
+        self._kill_retry_at = now + KILL_RETRY_S
+        pid = client.proc.pid if client.proc is not None else client.evt.peer_pid
+        alive_s = now - self._killing_since
+        if not self._jobs:
+            # No job of ours is with it (one that never said Ready never got one, nor one past our kill: see
+            # _serving), so no row of ours is being read or written by it and nothing waits for its death; while it
+            # lived, has_pending_work would keep vLLM stepping for it.  If it ever runs on, it finds its command ring
+            # closed and stops by itself.
+            self._worker_died(f"{self._kill_reason}; pid {pid} still alive {alive_s:.0f} s after SIGKILL (not ours "
+                              f"to kill, or stuck in the kernel): given up, stop it by hand; it may hold the port "
+                              f"the next worker needs", gone=False)
+            return True
+        log.error("p2pworker %s (pid %d) still alive %.0f s after SIGKILL (%s): its %d job(s) stay open until it "
+                  "is gone (a job failed while it lives could let it write into rows vLLM reused); killing it again",
+                  self._name, pid, alive_s, self._kill_reason, len(self._jobs))
+        client.kill()
+        return False
+
+    def _reap_abandoned(self) -> None:
+        """Forget the given-up workers that are gone (each reaped, its admin socket removed)."""
+        self._abandoned = [c for c in self._abandoned if not c.reap()]
 
     def _starting(self) -> bool:
         """A worker process exists and its Ready has not been read: one we spawned, or an operator's that attached
@@ -493,11 +559,17 @@ class P2PWorkerTier(SecondaryTierManager):
             self._results.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=nbytes))
             self._stats["stores_ok" if success else "stores_failed"] += 1
 
+    def _serving(self) -> bool:
+        """A ready worker we have not decided to kill: new work goes to it, else fails (MISS) at once.  A worker
+        that outlives our SIGKILL would otherwise take every new job into a ring it never reads, each one open
+        (its rows pinned) until it is gone."""
+        return self._client is not None and self._ready and self._killing_since is None
+
     def _send(self, cmd: api.Command) -> bool:
-        """Queue a command for the worker (False: no ready worker).  The queue is flushed to the command
+        """Queue a command for the worker (False: no serving worker).  The queue is flushed to the command
         ring by whichever comes first: vLLM 0.33's tier-poll thread (get_finished_jobs, off the scheduler
         thread) or, when no poll thread runs (0.32), this step's on_schedule_end, once per step."""
-        if self._client is None or not self._ready:
+        if not self._serving():
             return False
         self._outbox.append(cmd)
         return True
@@ -555,7 +627,7 @@ class P2PWorkerTier(SecondaryTierManager):
         the handshake (and on one host the handover and lane) runs while vLLM schedules the request instead of
         after its first load is submitted (issue 16: first contact).  Not a listed peer: opened once, not kept."""
         now = time.monotonic()
-        if now - self._opened_ahead.get(address, -OPEN_AHEAD_S) < OPEN_AHEAD_S or not self._ready:
+        if now - self._opened_ahead.get(address, -OPEN_AHEAD_S) < OPEN_AHEAD_S or not self._serving():
             return
         if len(self._opened_ahead) >= OPEN_AHEAD_MAX:
             self._opened_ahead.clear()  # bounded: at worst a peer is asked once more
@@ -574,7 +646,7 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def lookup(self, key, req_context) -> LookupResult:
         role = self._role(req_context)
-        if not role.kind.loads or role.kv_request_id in self._failed_req_ids or not self._ready:
+        if not role.kind.loads or role.kv_request_id in self._failed_req_ids or not self._serving():
             return LookupResult.MISS
         if role.kind is RoleKind.CONSUMER:
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
@@ -622,13 +694,38 @@ class P2PWorkerTier(SecondaryTierManager):
         out, self._results = self._results, []
         return out
 
-    def _replay_finished(self) -> None:
+    def _trim_recent_finished(self) -> None:
         now = time.monotonic()
         while self._recent_finished and next(iter(self._recent_finished.values())) < now - RECENT_FINISHED_S:
             self._recent_finished.popitem(last=False)
-        for rid in self._recent_finished:
-            if not self._send(api.RequestFinished(rid)):
+
+    def _replay_finished(self) -> None:
+        """A new worker's rings exist: tell it the producer requests that finished lately (a consumer that got one
+        from the router may ask this worker for it).  The newest REPLAY_IN_RING_MAX (those a consumer is about to
+        fetch) go into the ring now, the rest on Ready."""
+        self._trim_recent_finished()
+        for n, rid in enumerate(reversed(self._recent_finished)):
+            if n >= REPLAY_IN_RING_MAX or not self._tell_finished(rid):
                 break
+
+    def _tell_finished(self, rid: str) -> bool:
+        """RequestFinished, once per worker.  Before its Ready is read it goes straight into the command ring (the
+        outbox is for a ready worker), where a worker still starting, or one an operator has yet to launch, finds it
+        right behind its AttachRegion; with no worker, or the ring full, it waits in _recent_finished for the next
+        worker or the Ready.  False: not in the ring."""
+        client = self._client
+        if client is None:
+            return False
+        if self._ready:
+            return self._send(api.RequestFinished(rid))
+        try:
+            sent = client.send(api.RequestFinished(rid))
+        except P2PError as e:  # an id past the ring's limit, or a broken ring (the next worker gets the replay)
+            log.error("p2pworker %s: RequestFinished not sent: %s", self._name, e)
+            return False
+        if sent:
+            self._told_finished.add(rid)
+        return sent
 
     def on_request_finished(self, req_context) -> None:
         role = self._role(req_context)
@@ -637,7 +734,7 @@ class P2PWorkerTier(SecondaryTierManager):
             self._recent_finished.move_to_end(role.kv_request_id)
             if len(self._recent_finished) > RECENT_FINISHED_MAX:
                 self._recent_finished.popitem(last=False)
-            self._send(api.RequestFinished(role.kv_request_id))  # not ready: replayed when the worker is
+            self._tell_finished(role.kv_request_id)
         elif role.kind is RoleKind.SYMMETRIC:
             self._answers.pop(role.kv_request_id, None)
             self._asked.pop(role.kv_request_id, None)
@@ -671,10 +768,10 @@ class P2PWorkerTier(SecondaryTierManager):
         # no worker: pending until one is restarted (vLLM keeps calling us meanwhile), but not for a tier that stopped
         # restarting after a configuration error (vLLM would step for nothing forever)
         # A worker that started and has not said Ready: its Ready is read only when vLLM calls us, and vLLM 0.32 (no
-        # tier-poll thread) calls only while this is True.  Left unread, the finished requests replayed on Ready
-        # never reach the worker, which already serves its port: a consumer's fetch for one of them then waits out
-        # the producer's fetch_timeout_s (20 s in CI's e2e run).  Bounded: such a worker is killed after
-        # start_timeout_s (_pump).
+        # tier-poll thread) calls only while this is True.  Until it is read every job fails ("worker not ready"),
+        # listed peers are not connected, and a worker stuck before it is never killed.  (The finished requests a
+        # consumer may fetch no longer wait for it: they are in the ring behind the AttachRegion, _tell_finished.)
+        # Bounded: such a worker is killed after start_timeout_s (_pump).
         return bool(self._jobs or self._results or self._asking or self._lookups or self._to_serve
                     or self._outbox) or (self._client is None and self._fatal is None) or self._starting() or (
                         self._client is not None and self._client.cmd.pending_bytes > 0)
@@ -715,6 +812,15 @@ class P2PWorkerTier(SecondaryTierManager):
         if client is not None:
             code = client.close()
             log.info("p2pworker %s exited with %s", self._name, code)
+        deadline = time.monotonic() + 1.0  # bounded: vLLM's shutdown must not hang on a process that does not die
+        while True:
+            self._reap_abandoned()
+            if not self._abandoned or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        for c in self._abandoned:
+            log.error("p2pworker %s: a worker given up earlier (pid %d) is still alive; stop it by hand", self._name,
+                      c.proc.pid)
         self._primary_kv_view = None  # do not keep vLLM's mapping exported
 
     @classmethod

