@@ -288,6 +288,7 @@ class P2PWorkerTier(SecondaryTierManager):
         while not self._ready:  # start-up only: the engine is not serving yet
             self._pump()
             if self._fatal is not None:  # a configuration error: say it now, not after start_timeout_s
+                self.shutdown()  # the refused worker (killed, not waited for in _worker_died) reaped, bounded
                 raise P2PError(f"p2pworker for {self._name} cannot start: {self._fatal}")
             if time.monotonic() > deadline:
                 # other attach errors may heal (a port still held by a predecessor): retried until here
@@ -340,7 +341,7 @@ class P2PWorkerTier(SecondaryTierManager):
     def _worker_died(self, why: str, gone: bool = True) -> None:
         """Every job and lookup of the worker ends (failed, MISS) and the next worker is started after the backoff.
         ``gone=False``: a worker given up alive, holding no job: its rings are closed without waiting for it (it is
-        reaped, and its admin socket removed, once it dies: the liveness tick in _pump)."""
+        reaped, and its admin socket removed, once it dies: _pump).  Never waits for a process."""
         if not gone:
             nxt = "re-creating the rings for the operator's next worker" if self._rings else "starting the next one"
             log.error("p2pworker %s given up (%s): %s in %.0f s", self._name, why, nxt, self._backoff_s)
@@ -369,8 +370,15 @@ class P2PWorkerTier(SecondaryTierManager):
         client, self._client, self._ready = self._client, None, False
         if client is not None:
             try:
+                if gone and client.proc is not None and client.alive():
+                    # A spawned worker that reported an attach or configuration error: it lives on, waiting for a
+                    # Shutdown.  No job of ours is with it (jobs go only to a ready worker, and those errors come
+                    # before its Ready is taken), so nothing needs its death; vLLM's scheduler thread must not wait
+                    # for it either: one stuck in the kernel does not die of SIGKILL (close() waited, unbounded).
+                    client.kill()
+                    gone = False
                 if gone:
-                    client.close(timeout_s=0)
+                    client.close(timeout_s=0)  # gone already, or an operator's worker (it stops on its rings closing)
                 else:
                     client.abandon()  # close() would wait for a process that does not die
                     self._abandoned.append(client)
@@ -380,6 +388,8 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def _pump(self) -> None:
         """Collect worker events; notice a dead or wedged worker; restart one when due.  Never blocks."""
+        if self._abandoned:  # ~2 us (waitpid) each, only while one is left: reaped even while no worker runs
+            self._reap_abandoned()
         client = self._client
         if client is None:
             if self._fatal is None and time.monotonic() >= self._restart_at:
@@ -452,8 +462,6 @@ class P2PWorkerTier(SecondaryTierManager):
         now = time.monotonic()
         if now >= self._next_liveness:  # ~2 us (waitpid) + ~15 us (/proc): not on every poll
             self._next_liveness = now + LIVENESS_CHECK_S
-            if self._abandoned:
-                self._reap_abandoned()
             if not client.alive():
                 if self._killing_since is not None:
                     self._worker_died(f"{self._kill_reason}; killed")

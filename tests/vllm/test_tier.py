@@ -781,6 +781,58 @@ def test_a_ready_after_our_sigkill_is_ignored(free_port, monkeypatch, caplog):
         eng.close()
 
 
+def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vllm(free_port, monkeypatch, caplog):
+    """A restarted worker the tier spawned reports an attach error and does not die (stuck in the kernel; here
+    neither of the tier's ways to SIGKILL it arrives).  It holds no job, so nothing waits for its death: vLLM's
+    scheduler thread goes on stepping (before, it waited for that process, unbounded), the next worker is started
+    after the backoff, and the stuck one is reaped, its admin socket removed, once it dies."""
+    import threading
+    from pathlib import Path
+
+    from p2pworker.client import WorkerClient
+
+    eng = Engine("noattach", free_port(), engine_extra=NO_POLL_THREAD)
+    stuck = None
+    try:
+        monkeypatch.setenv("P2PWORKER_HOOK", "tests.hooks.failed_attach_stuck:install")
+        monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[2]))
+        stuck = _restarted(eng)
+        admin = eng.tier._client.admin_path
+        monkeypatch.delenv("P2PWORKER_HOOK")  # only this worker is stuck: the next one starts as usual
+        kills = []
+        monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # our SIGKILL does not reach it
+        monkeypatch.setattr(subprocess.Popen, "kill", lambda self: kills.append(self))  # nor Popen's
+        stepping = threading.Thread(target=run_until, args=([eng], lambda: bool(eng.tier._abandoned)),
+                                    kwargs={"timeout_s": 20}, daemon=True)
+        stepping.start()
+        stepping.join(15)
+        blocked = stepping.is_alive()
+        monkeypatch.undo()  # the real kills again
+        if blocked:
+            os.kill(stuck, signal.SIGKILL)  # lets the blocked step return
+            stepping.join(15)
+        assert not blocked, "vLLM's scheduler thread waited for a worker that did not die"
+        assert "could not attach the region: AttachRegion: test hook" in caplog.text
+        assert kills and eng.tier._abandoned[0].proc.pid == stuck
+        os.kill(stuck, 0)  # still alive: given up, not waited for
+        assert os.path.exists(admin)
+        assert eng.tier.counters()["worker_deaths"] == 2  # the SIGKILLed one, and this one (it will not serve)
+        run_until([eng], lambda: eng.tier._ready, timeout_s=30)  # the next one serves (backoff 1 s, then 2 s)
+        assert eng.tier._client.proc.pid != stuck and eng.tier._abandoned
+        os.kill(stuck, signal.SIGKILL)  # it dies at last
+        run_until([eng], lambda: not eng.tier._abandoned, timeout_s=10)
+        assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
+        with pytest.raises(ProcessLookupError):
+            os.kill(stuck, 0)  # reaped: no zombie left
+    finally:
+        try:
+            if stuck is not None:
+                os.kill(stuck, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        eng.close()
+
+
 def test_a_worker_without_jobs_that_outlives_its_sigkill_is_given_up_without_blocking_and_reaped_later(
         free_port, monkeypatch, caplog):
     """A wedged worker the tier spawned, holding no job, does not die of our SIGKILL (stuck in the kernel; here the
