@@ -22,6 +22,9 @@ from p2pworker.errors import MessageTooLarge, P2PError, PeerDead, RingApiMismatc
 from p2pworker.shm import RegionHandle, Ring, Role
 
 log = logging.getLogger(__name__)
+# close(): how long a worker that did not shut down is waited for after its SIGKILL.  One stuck in the kernel (an
+# I/O or a driver call that does not return) does not die of it, and vLLM's shutdown must not hang on that.
+KILL_WAIT_S = 5.0
 
 
 class WorkerClient:
@@ -159,7 +162,8 @@ class WorkerClient:
         return ev
 
     def close(self, timeout_s: float = 15.0) -> int | None:
-        """Ask the worker to shut down, wait for it, close the rings.  Returns its exit code."""
+        """Ask the worker to shut down, wait for it (``timeout_s``, then SIGKILL and KILL_WAIT_S more), close the
+        rings.  Returns its exit code: None for an operator's worker, or one that outlived the SIGKILL."""
         code = None
         if self.proc is not None:
             if self.proc.poll() is None:
@@ -168,7 +172,11 @@ class WorkerClient:
                     code = self.proc.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
-                    code = self.proc.wait()
+                    try:
+                        code = self.proc.wait(KILL_WAIT_S)
+                    except subprocess.TimeoutExpired:  # its rings are closed below: if it ever runs on, it stops
+                        log.error("worker %s (pid %d) still alive %g s after SIGKILL (stuck in the kernel?): left "
+                                  "behind, stop it by hand", self.name, self.proc.pid, KILL_WAIT_S)
             else:
                 code = self.proc.returncode
         try:

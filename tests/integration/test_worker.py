@@ -476,6 +476,43 @@ def test_a_failing_hook_stops_the_worker_at_start_and_leaves_nothing(shm_prefix,
     assert not admin.exists(), "the admin socket of a worker whose hook failed was left behind"
 
 
+def test_close_does_not_hang_on_a_worker_that_outlives_its_sigkill(shm_prefix, tmp_path, monkeypatch, caplog):
+    """close() (vLLM's shutdown of the tier, every tool) asks the worker to shut down, SIGKILLs it after
+    ``timeout_s`` and waits KILL_WAIT_S more: a worker stuck in the kernel (here: stopped, and the SIGKILL does not
+    reach it) is left behind with an error naming its pid, not waited for without bound as before."""
+    import threading
+
+    from p2pworker import client as client_mod
+
+    reg = KVRegion.create(f"{shm_prefix}stuck", 8, 4096)
+    c = WorkerClient("stuck", args=["--port", "0"], env=ENV)  # its admin socket ours to remove
+    pid = c.proc.pid
+    try:
+        c.attach(reg.handle, {"model": "test"})
+        os.kill(pid, signal.SIGSTOP)  # reads no Shutdown
+        monkeypatch.setattr(client_mod, "KILL_WAIT_S", 1.0)
+        monkeypatch.setattr(c.proc, "kill", lambda: None)  # our SIGKILL does not reach it
+        out = {}
+        closing = threading.Thread(target=lambda: out.setdefault("code", c.close(timeout_s=0.5)), daemon=True)
+        t0 = time.monotonic()
+        closing.start()
+        closing.join(10)
+        took, blocked = time.monotonic() - t0, closing.is_alive()
+        if blocked:
+            os.kill(pid, signal.SIGKILL)  # lets close() return
+            closing.join(10)
+        assert not blocked, "close() waited for a worker that did not die"
+        assert out["code"] is None and 1.5 <= took < 6.0, (out, took)
+        assert f"(pid {pid}) still alive 1 s after SIGKILL" in caplog.text
+        os.kill(pid, 0)  # left behind, alive
+        assert not os.path.exists(c.admin_path)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        c.proc.wait(10)
+        reg.close()
+
+
 def test_an_operator_launched_worker_waits_for_the_event_ring_created_after_the_command_ring(shm_prefix, tmp_path):
     """The adapter creates <rings>.cmd, then <rings>.evt: a worker already waiting (`--wait-rings`) that sees the
     command ring first waits for the event ring too, instead of failing between the two (a CI run hit that window)."""
