@@ -194,20 +194,16 @@ class WorkerClient:
 
     def abandon(self) -> None:
         """Close our rings without waiting for the worker: one that outlived SIGKILL and holds no job.  If it ever
-        runs on, it sees its command ring closed and stops.  :meth:`reap` tells when it is gone."""
+        runs on, it sees its command ring closed and stops.  Its admin socket (ours: a worker killed by SIGKILL
+        cannot remove it) goes now, not once it dies: we may be gone by then.  :meth:`reap` tells when it is gone."""
         self.cmd.close()
         self.evt.close()
+        self._remove_admin()
 
     def reap(self) -> bool:
-        """After :meth:`abandon`: True once the worker is gone.  A child of ours is reaped (no zombie) and its admin
-        socket removed (one killed by SIGKILL cannot remove it); an operator's worker is the operator's (its rings
-        are closed: nothing of it is ours to watch)."""
-        if self.proc is None:
-            return True
-        if self.proc.poll() is None:
-            return False
-        self._remove_admin()
-        return True
+        """After :meth:`abandon`: True once the worker is gone.  A child of ours is reaped (no zombie); an
+        operator's worker is the operator's (its rings are closed: nothing of it is ours to watch)."""
+        return self.proc is None or self.proc.poll() is not None
 
     def _send_within(self, cmd: api.Command, timeout_s: float) -> bool:
         """Tools and shutdown only: send, finishing a command that spans slots first, for up to ``timeout_s``."""

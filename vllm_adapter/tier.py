@@ -69,7 +69,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from p2pworker import api
-from p2pworker.client import WorkerClient
+from p2pworker.client import KILL_WAIT_S, WorkerClient
 from p2pworker.config import ConfigError, TierSettings, WorkerConfig
 from p2pworker.config import tier_settings as _tier_settings
 from p2pworker.errors import MessageTooLarge, P2PError
@@ -256,7 +256,8 @@ class P2PWorkerTier(SecondaryTierManager):
         # ids in the current worker's command ring before its Ready was read; on Ready the rest of _recent_finished
         # goes out.  Bounded by what the worker took off its ring before the tier's next poll read that Ready.
         self._told_finished: set[str] = set()
-        self._abandoned: list[WorkerClient] = []  # workers given up alive (_kill_failed): reaped once they die
+        # workers given up alive (_kill_failed; an attach or configuration error): reaped once they die
+        self._abandoned: list[WorkerClient] = []
         self._client: WorkerClient | None = None
         self._ready = False
         self._restart_at = 0.0
@@ -341,7 +342,18 @@ class P2PWorkerTier(SecondaryTierManager):
     def _worker_died(self, why: str, gone: bool = True) -> None:
         """Every job and lookup of the worker ends (failed, MISS) and the next worker is started after the backoff.
         ``gone=False``: a worker given up alive, holding no job: its rings are closed without waiting for it (it is
-        reaped, and its admin socket removed, once it dies: _pump).  Never waits for a process."""
+        reaped once it dies: _pump).  Never waits for a process, and never fails a job while its worker may run."""
+        client = self._client
+        if gone and self._jobs and client is not None and client.alive():
+            # A worker ended for what it said (a configuration error) while jobs of ours are with it: one that runs
+            # on could still copy into, or let a consumer read, rows vLLM reuses once they are reported failed
+            # (invariant 7).  Killed; they fail once it is gone (_pump), as a wedged worker's do.  The worker sends
+            # such errors only before its Ready (and jobs come only after), so this keeps the rule, not the case.
+            log.error("p2pworker %s: %s, with %d job(s) open: killing it; they fail once it is gone", self._name,
+                      why, len(self._jobs))
+            if self._killing_since is None:
+                self._kill(client, time.monotonic(), why)
+            return
         if not gone:
             nxt = "re-creating the rings for the operator's next worker" if self._rings else "starting the next one"
             log.error("p2pworker %s given up (%s): %s in %.0f s", self._name, why, nxt, self._backoff_s)
@@ -367,14 +379,14 @@ class P2PWorkerTier(SecondaryTierManager):
         self._asking.clear()
         self._to_serve.clear()
         self._outbox.clear()  # their jobs were failed above
-        client, self._client, self._ready = self._client, None, False
+        self._client, self._ready = None, False
         if client is not None:
             try:
                 if gone and client.proc is not None and client.alive():
                     # A spawned worker that reported an attach or configuration error: it lives on, waiting for a
-                    # Shutdown.  No job of ours is with it (jobs go only to a ready worker, and those errors come
-                    # before its Ready is taken), so nothing needs its death; vLLM's scheduler thread must not wait
-                    # for it either: one stuck in the kernel does not die of SIGKILL (close() waited, unbounded).
+                    # Shutdown.  No job of ours is with it (checked above), so nothing needs its death; vLLM's
+                    # scheduler thread must not wait for it either: one stuck in the kernel does not die of SIGKILL
+                    # (close() waited for it, unbounded).
                     client.kill()
                     gone = False
                 if gone:
@@ -516,7 +528,7 @@ class P2PWorkerTier(SecondaryTierManager):
             # lived, has_pending_work would keep vLLM stepping for it.  If it ever runs on, it finds its command ring
             # closed and stops by itself.
             self._worker_died(f"{self._kill_reason}; pid {pid} still alive {alive_s:.0f} s after SIGKILL (not ours "
-                              f"to kill, or stuck in the kernel): given up, stop it by hand; it may hold the port "
+                              f"to kill, or stuck in the kernel): stop it by hand; it may hold the port "
                               f"the next worker needs", gone=False)
             return True
         log.error("p2pworker %s (pid %d) still alive %.0f s after SIGKILL (%s): its %d job(s) stay open until it "
@@ -526,7 +538,7 @@ class P2PWorkerTier(SecondaryTierManager):
         return False
 
     def _reap_abandoned(self) -> None:
-        """Forget the given-up workers that are gone (each reaped, its admin socket removed)."""
+        """Forget the given-up workers that are gone (each reaped: no zombie)."""
         self._abandoned = [c for c in self._abandoned if not c.reap()]
 
     def _starting(self) -> bool:
@@ -780,9 +792,12 @@ class P2PWorkerTier(SecondaryTierManager):
         # listed peers are not connected, and a worker stuck before it is never killed.  (The finished requests a
         # consumer may fetch no longer wait for it: they are in the ring behind the AttachRegion, _tell_finished.)
         # Bounded: such a worker is killed after start_timeout_s (_pump).
+        # A worker we SIGKILLed: until vLLM calls us nobody sees it gone (and restarts one) or gives it up; bounded,
+        # without jobs, by KILL_RETRY_S (_kill_failed).  A given-up one is not waited for (it may never die).
         return bool(self._jobs or self._results or self._asking or self._lookups or self._to_serve
                     or self._outbox) or (self._client is None and self._fatal is None) or self._starting() or (
-                        self._client is not None and self._client.cmd.pending_bytes > 0)
+                        self._client is not None and self._client.cmd.pending_bytes > 0) or (
+                        self._killing_since is not None)
 
     def drain_jobs(self) -> None:
         """vLLM's reset_cache (sleep, weight update), under its manager lock: when this returns every job is reported
@@ -820,7 +835,8 @@ class P2PWorkerTier(SecondaryTierManager):
         if client is not None:
             code = client.close()
             log.info("p2pworker %s exited with %s", self._name, code)
-        deadline = time.monotonic() + 1.0  # bounded: vLLM's shutdown must not hang on a process that does not die
+        # bounded: vLLM's shutdown must not hang on a process that does not die (as close() waits after its SIGKILL)
+        deadline = time.monotonic() + KILL_WAIT_S
         while True:
             self._reap_abandoned()
             if not self._abandoned or time.monotonic() > deadline:

@@ -781,11 +781,47 @@ def test_a_ready_after_our_sigkill_is_ignored(free_port, monkeypatch, caplog):
         eng.close()
 
 
+def test_jobs_of_a_worker_ended_for_an_error_fail_only_once_it_is_gone(free_port, monkeypatch):
+    """Whatever makes the tier end a worker that still runs (here: a configuration error while a store is parked in
+    it for a consumer), its jobs are reported failed only once it is gone: one that runs on could still copy into,
+    or let a consumer read, rows vLLM reuses once they are failed (invariant 7).  Before, they failed at once."""
+    from p2pworker.client import WorkerClient
+
+    eng = Engine("errjobs", free_port(), engine_extra=NO_POLL_THREAD)
+    pid = eng.tier._client.proc.pid
+    try:
+        eng.store("p-open", [1], {"remote_decoder": {"kv_request_id": "kv-open"}})
+        run_until([eng], lambda: not eng.tier._outbox and eng.tier._client.cmd.pending_bytes == 0)  # in the worker
+        assert eng.tier._jobs
+        failed = eng.tier.counters()["stores_failed"]
+        kills, real_kill = [], WorkerClient.kill
+        monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # its death is slow to come
+        eng.tier._config_error("test: a configuration error while jobs are open")
+        for _ in range(50):
+            eng.step()
+        assert kills and eng.tier._jobs and eng.tier.counters()["stores_failed"] == failed, "failed while it ran"
+        assert eng.tier.has_pending_work()
+        monkeypatch.setattr(WorkerClient, "kill", real_kill)
+        os.kill(pid, signal.SIGKILL)  # it dies
+        run_until([eng], lambda: eng.tier._client is None, timeout_s=10)
+        assert not eng.tier._jobs and eng.tier.counters()["stores_failed"] == failed + 1  # once
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped before its jobs were failed
+        assert eng.tier._fatal is not None  # and not restarted: vLLM stops stepping for it
+        run_until([eng], lambda: not eng.tier.has_pending_work(), timeout_s=10)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        eng.close()
+
+
 def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vllm(free_port, monkeypatch, caplog):
     """A restarted worker the tier spawned reports an attach error and does not die (stuck in the kernel; here
     neither of the tier's ways to SIGKILL it arrives).  It holds no job, so nothing waits for its death: vLLM's
-    scheduler thread goes on stepping (before, it waited for that process, unbounded), the next worker is started
-    after the backoff, and the stuck one is reaped, its admin socket removed, once it dies."""
+    scheduler thread goes on stepping (before, one step waited for that process, unbounded), its admin socket is
+    removed at once, the next worker is started after the backoff, and the stuck one is reaped once it dies."""
     import threading
     from pathlib import Path
 
@@ -802,11 +838,23 @@ def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vll
         kills = []
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # our SIGKILL does not reach it
         monkeypatch.setattr(subprocess.Popen, "kill", lambda self: kills.append(self))  # nor Popen's
-        stepping = threading.Thread(target=run_until, args=([eng], lambda: bool(eng.tier._abandoned)),
-                                    kwargs={"timeout_s": 20}, daemon=True)
+        in_step = [None]  # when the step now running began
+
+        def steps() -> None:  # vLLM's scheduler thread, until the tier has given the worker up
+            deadline = time.monotonic() + 60
+            while not eng.tier._abandoned and time.monotonic() < deadline:
+                in_step[0] = time.monotonic()
+                eng.step()
+                in_step[0] = None
+                time.sleep(0.002)
+
+        stepping = threading.Thread(target=steps, daemon=True)
         stepping.start()
-        stepping.join(15)
-        blocked = stepping.is_alive()
+        blocked = False
+        while stepping.is_alive() and not blocked:  # a slow worker start is not a blocked step
+            t0 = in_step[0]
+            blocked = t0 is not None and time.monotonic() - t0 > 10
+            time.sleep(0.05)
         monkeypatch.undo()  # the real kills again
         if blocked:
             os.kill(stuck, signal.SIGKILL)  # lets the blocked step return
@@ -815,13 +863,12 @@ def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vll
         assert "could not attach the region: AttachRegion: test hook" in caplog.text
         assert kills and eng.tier._abandoned[0].proc.pid == stuck
         os.kill(stuck, 0)  # still alive: given up, not waited for
-        assert os.path.exists(admin)
+        assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
         assert eng.tier.counters()["worker_deaths"] == 2  # the SIGKILLed one, and this one (it will not serve)
         run_until([eng], lambda: eng.tier._ready, timeout_s=30)  # the next one serves (backoff 1 s, then 2 s)
         assert eng.tier._client.proc.pid != stuck and eng.tier._abandoned
         os.kill(stuck, signal.SIGKILL)  # it dies at last
         run_until([eng], lambda: not eng.tier._abandoned, timeout_s=10)
-        assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
         with pytest.raises(ProcessLookupError):
             os.kill(stuck, 0)  # reaped: no zombie left
     finally:
@@ -838,7 +885,8 @@ def test_a_worker_without_jobs_that_outlives_its_sigkill_is_given_up_without_blo
     """A wedged worker the tier spawned, holding no job, does not die of our SIGKILL (stuck in the kernel; here the
     kill never arrives).  Nothing waits for its death: KILL_RETRY_S after the kill it is given up without waiting
     for it (vLLM's scheduler thread must not block on a process that does not die) and the next one serves.  When
-    it dies at last, the tier reaps it (no zombie) and removes the admin socket it could not."""
+    it dies at last, the tier reaps it (no zombie); the admin socket it could not remove goes when it is given up.
+    From the kill until then, the tier says it has work (vLLM 0.32 calls it only then)."""
     import vllm_adapter.tier as tier_mod
     from p2pworker.client import WorkerClient
 
@@ -851,16 +899,18 @@ def test_a_worker_without_jobs_that_outlives_its_sigkill_is_given_up_without_blo
         kills, real_kill = [], WorkerClient.kill
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))
         os.kill(stuck, signal.SIGSTOP)
+        run_until([eng], lambda: kills, timeout_s=20)
+        assert not eng.tier._jobs and eng.tier.has_pending_work()  # an idle 0.32 engine steps until it is settled
         run_until([eng], lambda: "given up" in caplog.text, timeout_s=20)
         eng.tier._stall_s = stall
         monkeypatch.setattr(WorkerClient, "kill", real_kill)
         assert kills and eng.tier.counters()["worker_deaths"] == 0  # given up alive, not dead
         os.kill(stuck, 0)  # still alive: given up, not waited for
-        assert os.path.exists(admin) and eng.tier._abandoned
+        assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
+        assert eng.tier._abandoned
         # The next worker cannot bind the port the stuck one holds (attach errors, retried after the backoff)
         os.kill(stuck, signal.SIGKILL)  # until it dies at last
         run_until([eng], lambda: not eng.tier._abandoned, timeout_s=10)
-        assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
         with pytest.raises(ProcessLookupError):
             os.kill(stuck, 0)  # reaped: no zombie left
         run_until([eng], lambda: eng.tier._ready, timeout_s=60)  # within the restart backoff (30 s at most)
