@@ -697,7 +697,8 @@ class Worker:
         self.region, self.ctl, self.data = region, ctl, data
         self.copy_threads = copy_threads
         lot = ParkingLot(self.reporter, self.clock, block_bytes=region.block_bytes,
-                         park_timeout_s=cfg.session.park_timeout_s)
+                         park_timeout_s=cfg.session.park_timeout_s,
+                         park_unfinished_s=cfg.session.park_unfinished_s)
         self.ctx = SessionContext(
             node_id=ctl.node_id, data_info=data.local_info(), fingerprint=self.fingerprint,
             reporter=self.reporter, lot=lot, clock=self.clock, config=cfg.session,

@@ -16,9 +16,17 @@ job is reported only when none of its rows can still be read by a consumer:
   named it), or when the request is finished and served and the consumer
   did not ask for the rest;
 - failure: when an offered key was not read (Release without it, or the
-  lease ran out), when its parcel was never fetched within
-  ``park_timeout_s`` (reaped), or when the worker shuts down (after the
+  lease ran out), when its parcel was not fetched within ``park_timeout_s``
+  of its request's end, or its request did not end within
+  ``park_unfinished_s`` (reaped), or when the worker shuts down (after the
   region is deregistered and unmapped, so no read can reach it).
+
+Reaping counts from the request's end, not from its first store: a long
+prompt's prefill stores its first chunks long before the request ends and the
+consumer can ask (a 52,000-token prompt took 150 s on a 2-core box; its first
+chunks were reaped after 60 s while later ones parked afresh, and the consumer
+got 1,113 of 1,625 keys).  vLLM tells every request's end (an aborted one's
+too); ``park_unfinished_s`` only bounds a parcel whose end never came.
 
 Lease phases (a parcel has at most one lease at a time)::
 
@@ -75,17 +83,19 @@ class Parcel:
     job_of: dict[bytes, int] = field(default_factory=dict)  # parked key -> store job
     jobs: dict[int, StoreRecord] = field(default_factory=dict)  # open store jobs
     finished: bool = False  # the producer's request ended: no more stores will come
+    finished_at: float = math.inf  # when (the park_timeout_s clock starts)
     served: bool = False  # a lease ended (released or expired) at least once
     lease: Lease | None = None
 
 
 class ParkingLot:
     def __init__(self, reporter: Reporter, clock: Callable[[], float], *, block_bytes: int,
-                 park_timeout_s: float = 60.0):
+                 park_timeout_s: float = 60.0, park_unfinished_s: float = 1800.0):
         self.reporter = reporter
         self.clock = clock
         self.block_bytes = block_bytes
         self.park_timeout_s = park_timeout_s
+        self.park_unfinished_s = park_unfinished_s
         self.parcels: dict[str, Parcel] = {}
         self.reaped = 0
         self.leases_expired = 0
@@ -104,8 +114,19 @@ class ParkingLot:
         p = self.parcels.get(request_id)
         if p is None:
             p = self.parcels[request_id] = Parcel(request_id, self.clock())
-            heapq.heappush(self._due, (p.created + self.park_timeout_s, next(self._seq), p, None))
+            heapq.heappush(self._due, (self._reap_at(p), next(self._seq), p, None))
         return p
+
+    def _reap_at(self, p: Parcel) -> float:
+        """When ``p``, without a lease, is dropped (its open jobs failed)."""
+        if p.finished:
+            return p.finished_at + self.park_timeout_s
+        return p.created + self.park_unfinished_s
+
+    def _finish(self, p: Parcel) -> None:
+        if not p.finished:
+            p.finished, p.finished_at = True, self.clock()
+            heapq.heappush(self._due, (self._reap_at(p), next(self._seq), p, None))
 
     # ------------------------------------------------------------ from the adapter
     def store(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]
@@ -150,9 +171,9 @@ class ParkingLot:
             # Nothing parked (its stores failed, or went to a worker that died before us): keep a
             # tombstone until park_timeout_s so a fetch that comes later is answered at once, empty,
             # instead of waiting out fetch_timeout_s for stores that will never come.
-            self.parcel(request_id).finished = True
+            self._finish(self.parcel(request_id))
             return None
-        p.finished = True
+        self._finish(p)
         if p.lease is not None:
             return p if p.lease.owner is not None else None
         self.maybe_close(p)
@@ -279,9 +300,14 @@ class ParkingLot:
                     self.release(p, [], f"lease of round {lease.round} ran out without the consumer's release")
             elif p.lease is not None:  # not reaped under a lease: look again when it ends
                 heapq.heappush(due, (max(now, p.lease.hold_until), next(self._seq), p, None))
+            elif now < (at := self._reap_at(p)):
+                # an earlier bound's entry (its request ended since; each parcel has at most two), or a parcel
+                # dropped and parked afresh under its id: the one in force is pushed again
+                heapq.heappush(due, (at, next(self._seq), p, None))
             else:
                 self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores
-                self.drop(p, f"not fetched within {self.park_timeout_s:g} s")
+                self.drop(p, f"not fetched within {self.park_timeout_s:g} s of its request's end" if p.finished
+                          else f"its request did not end within {self.park_unfinished_s:g} s")
 
     def reset(self, reason: str) -> list[Parcel]:
         """vLLM reset its cache: fail now the store jobs of every parcel without a lease (no consumer can be reading
@@ -296,9 +322,9 @@ class ParkingLot:
                 finished = p.finished
                 self.drop(p, reason)
                 if finished:
-                    self.parcel(p.request_id).finished = True
+                    self._finish(self.parcel(p.request_id))
             else:
-                p.finished = True
+                self._finish(p)
                 if p.lease.owner is not None:
                     owners.append(p)
         return owners

@@ -85,10 +85,11 @@ class PD:
             host = "127.0.0.1"  # the workers' metrics endpoint binds metrics_host (default 127.0.0.1)
         return f"http://{host}:{port}"
 
-    def complete(self, which: str, prompt: str, max_tokens: int = 12, **extra) -> tuple[list[str], list[float]]:
+    def complete(self, which: str, prompt: str, max_tokens: int = 12, timeout_s: float = 120.0,
+                 **extra) -> tuple[list[str], list[float]]:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
                 **extra}
-        c = _http(self.url(which) + "/v1/completions", body)["choices"][0]
+        c = _http(self.url(which) + "/v1/completions", body, timeout_s)["choices"][0]
         return c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]
 
     def ttft(self, which: str, prompt: str, **extra) -> float:

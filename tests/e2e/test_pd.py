@@ -33,8 +33,8 @@ pytestmark = pytest.mark.timeout(600)
 LOGPROB_TOL = 1e-4  # decode continues from transferred KV; same floats up to summation order
 
 
-def baseline(pd, text: str):
-    return pd.complete("prefill", text, cache_salt=f"baseline-{uuid.uuid4().hex}")
+def baseline(pd, text: str, timeout_s: float = 120.0):
+    return pd.complete("prefill", text, cache_salt=f"baseline-{uuid.uuid4().hex}", timeout_s=timeout_s)
 
 
 def expected_p2p_tokens(n_tokens: int) -> int:

@@ -165,7 +165,7 @@ def pd(prod: Node, cons: Node, jobs: Jobs, req: str, n: int = 16, timeout_s: flo
         cons.path_checked = True
         cons.check_data_path()
     if not ld.success:
-        return ld, None  # the parked store is reported when park_timeout_s passes (or at shutdown)
+        return ld, None  # the parked store is reported park_timeout_s after its request ends (or at shutdown)
     st = jobs.collect(prod, {sj}, timeout_s)[sj]
     if verify:
         assert (cons.region.array()[dst] == prod.region.array()[src]).all(), "bytes differ"

@@ -330,16 +330,56 @@ def test_async_read_failure_fails_store_and_load():
     assert not jobs(p.a.events())[100].success
 
 
-def test_unfetched_stores_are_reaped_and_reported_failed():
+def test_unfetched_stores_are_reaped_park_timeout_s_after_their_request_ends():
+    """The clock starts at the request's end, not at its first store: a long prefill stores its first chunks long
+    before the consumer can ask (before, they were reaped 60 s after the store, while the request still ran)."""
     p = Pair().handshake()
     p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.advance(300)  # the prefill runs on
+    p.b.lot.tick()
+    p.b.store(2, "req", [b"late"], [14])
+    p.b.finish("req")
     p.advance(59)
+    p.b.lot.tick()
+    assert not jobs(p.b.events()) and p.b.lot.parcels["req"].rows
+    p.advance(1)
+    p.b.lot.tick()
+    done = jobs(p.b.events())
+    assert sorted(done) == [1, 2] and not any(d.success for d in done.values())
+    assert "not fetched within 60 s of its request's end" in done[1].reason and p.b.lot.reaped == 1
+
+
+def test_stores_of_a_request_that_never_ends_are_reaped_after_park_unfinished_s():
+    """A bound, not a schedule: vLLM tells every request's end, but a parcel whose end never came does not pin its
+    rows for ever (invariant 1: every job reported within a bounded time)."""
+    p = Pair().handshake()
+    p.b.store(1, "req", KEYS, [10, 11, 12, 13])
+    p.advance(p.b.lot.park_unfinished_s - 1)
     p.b.lot.tick()
     assert not jobs(p.b.events())
     p.advance(1)
     p.b.lot.tick()
     b = jobs(p.b.events())[1]
-    assert not b.success and "not fetched within 60 s" in b.reason and p.b.lot.reaped == 1
+    assert not b.success and "its request did not end within 1800 s" in b.reason and p.b.lot.reaped == 1
+
+
+def test_a_consumer_asking_long_after_the_first_store_gets_every_key():
+    """The e2e failure this fixes, in small: the first store parks, the request runs past park_timeout_s, more
+    stores park, the request ends, the consumer fetches: every key is offered and read, both stores succeed."""
+    p = Pair().handshake()
+    p.b.store(1, "req", KEYS[:2], [10, 11])
+    p.advance(150)
+    p.b.lot.tick()
+    p.b.store(2, "req", KEYS[2:], [12, 13])
+    p.b.finish("req")
+    p.advance(5)
+    p.b.lot.tick()
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3])
+    p.pull_all()
+    a = jobs(p.a.events())[100]
+    assert a.success and sorted(a.keys) == sorted(KEYS)
+    b = jobs(p.b.events())
+    assert b[1].success and b[2].success
 
 
 def test_consumer_death_keeps_offered_rows_pinned_until_the_lease_ends():
