@@ -162,6 +162,13 @@ cmd_stop() {
       echo "pd.sh: removing leftover $f (its engine is gone)" >&2
       rm -f "$f"; left=1
     done
+    # admin sockets of this engine's workers (p2pworker-vllm-<engine id>-...): each worker removes its own, but
+    # not one killed with its engine (vLLM kills an engine core, and its children, that outlive its shutdown timeout)
+    for f in /tmp/p2pworker-vllm-"$id"-*.admin; do
+      [ -e "$f" ] || continue
+      echo "pd.sh: removing leftover $f (its worker is gone)" >&2
+      rm -f "$f"; left=1
+    done
     # rings of this engine's workers (the adapter names them p2pw_vllm-<engine id>_...): gone unless one crashed
     removed=$("$VENV/bin/p2pworker" sweep "p2pw_vllm-$id" 2>/dev/null) || removed=""
     if [ -n "$removed" ]; then
