@@ -355,8 +355,10 @@ class P2PWorkerTier(SecondaryTierManager):
                 self._kill(client, time.monotonic(), why)
             return
         if not gone:
-            nxt = "re-creating the rings for the operator's next worker" if self._rings else "starting the next one"
-            log.error("p2pworker %s given up (%s): %s in %.0f s", self._name, why, nxt, self._backoff_s)
+            nxt = ("NOT restarting (configuration error)" if self._fatal is not None else
+                   f"re-creating the rings for the operator's next worker in {self._backoff_s:.0f} s" if self._rings
+                   else f"starting the next one in {self._backoff_s:.0f} s")
+            log.error("p2pworker %s given up (%s): %s", self._name, why, nxt)
         elif self._fatal is not None:
             log.error("p2pworker %s cannot serve (%s): failing %d job(s); NOT restarting it: fix the configuration "
                       "and restart vLLM (until then every transfer through this tier fails at once)",
@@ -801,12 +803,12 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """vLLM's reset_cache (sleep, weight update), under its manager lock: when this returns every job is reported
-        and nothing of ours touches vLLM's rows, which it then reuses.  Our store jobs would stay open while parked for
-        a consumer (up to park_timeout_s) and our loads until their lease, so the worker is told to end them
-        (ResetCache): parked stores no consumer can be reading fail at once, leased ones end with their lease, loads
-        are cancelled and reported once their reads settled.  A job still open past the longest lease the worker
-        grants is never failed while the worker lives (a consumer could still read those rows, or our read land in
-        them): the worker is killed, and its jobs fail once it is gone; vLLM waits meanwhile, as its own tiers do."""
+        and nothing of ours touches vLLM's rows, which it then reuses. Our store jobs would stay open while parked for a
+        consumer (until park_timeout_s after their request's end) and our loads until their lease, so the worker is told
+        to end them (ResetCache): parked stores no consumer can be reading fail at once, leased ones end with their
+        lease, loads are cancelled and reported once their reads settled. A job still open past the longest lease the
+        worker grants is never failed while the worker lives (a consumer could still read those rows, or our read land
+        in them): the worker is killed, and its jobs fail once it is gone; vLLM waits meanwhile, as its own tiers do."""
         if self._jobs and self._send(api.ResetCache()):
             self._flush()
         deadline = time.monotonic() + self._drain_s

@@ -23,10 +23,13 @@ job is reported only when none of its rows can still be read by a consumer:
 
 Reaping counts from the request's end, not from its first store: a long
 prompt's prefill stores its first chunks long before the request ends and the
-consumer can ask (a 52,000-token prompt took 150 s on a 2-core box; its first
-chunks were reaped after 60 s while later ones parked afresh, and the consumer
-got 1,113 of 1,625 keys).  vLLM tells every request's end (an aborted one's
-too); ``park_unfinished_s`` only bounds a parcel whose end never came.
+consumer can ask (a 52,000-token prompt took 157-171 s on a 2-core AVX2 box;
+its first chunks were reaped after 60 s while later ones parked afresh, and the
+consumer got 1,113 of 1,625 keys).  vLLM tells every request's end (an aborted
+one's too); ``park_unfinished_s`` only bounds a parcel whose end never came
+(counted from its creation: its first store, or a consumer's Fetch).  A parcel
+still unfinished ``park_timeout_s`` after its creation with nothing parked (a
+Fetch for an id never stored here) is dropped then: it holds no row.
 
 Lease phases (a parcel has at most one lease at a time)::
 
@@ -114,7 +117,7 @@ class ParkingLot:
         p = self.parcels.get(request_id)
         if p is None:
             p = self.parcels[request_id] = Parcel(request_id, self.clock())
-            heapq.heappush(self._due, (self._reap_at(p), next(self._seq), p, None))
+            heapq.heappush(self._due, (self._first_look(p), next(self._seq), p, None))
         return p
 
     def _reap_at(self, p: Parcel) -> float:
@@ -123,10 +126,16 @@ class ParkingLot:
             return p.finished_at + self.park_timeout_s
         return p.created + self.park_unfinished_s
 
+    def _first_look(self, p: Parcel) -> float:
+        # Not at the unfinished bound: a parcel's entry keeps it (dropped or not) in the heap until it comes up, and
+        # most parcels end within seconds.  One still unfinished then is pushed again to the bound in force (tick).
+        return p.created + min(self.park_timeout_s, self.park_unfinished_s)
+
     def _finish(self, p: Parcel) -> None:
-        if not p.finished:
-            p.finished, p.finished_at = True, self.clock()
-            heapq.heappush(self._due, (self._reap_at(p), next(self._seq), p, None))
+        """The request ended (again: a lookup's store for the same asker id joins a finished parcel, and each one
+        gets its own park_timeout_s).  One heap entry per end told: linear in the commands."""
+        p.finished, p.finished_at = True, self.clock()
+        heapq.heappush(self._due, (self._reap_at(p), next(self._seq), p, None))
 
     # ------------------------------------------------------------ from the adapter
     def store(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]
@@ -300,9 +309,10 @@ class ParkingLot:
                     self.release(p, [], f"lease of round {lease.round} ran out without the consumer's release")
             elif p.lease is not None:  # not reaped under a lease: look again when it ends
                 heapq.heappush(due, (max(now, p.lease.hold_until), next(self._seq), p, None))
+            elif not p.finished and not p.jobs:
+                self.parcels.pop(p.request_id, None)  # nothing parked, no end told (a Fetch for an id never stored)
             elif now < (at := self._reap_at(p)):
-                # an earlier bound's entry (its request ended since; each parcel has at most two), or a parcel
-                # dropped and parked afresh under its id: the one in force is pushed again
+                # the first look at an unfinished parcel, or an entry of an earlier end: the bound in force
                 heapq.heappush(due, (at, next(self._seq), p, None))
             else:
                 self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores

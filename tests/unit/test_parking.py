@@ -172,3 +172,67 @@ def test_a_job_fetched_one_key_per_round_costs_what_the_rounds_move():
         assert not reporter.events or i == len(keys) - 1
     [done] = reporter.events
     assert done.success and sorted(done.keys) == sorted(keys) and done.nbytes == len(keys) * BLOCK
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_parcels_that_ended_leave_the_reap_heap_within_park_timeout_s():
+    """Each parcel's heap entry keeps it in memory until the entry comes up.  The first look is park_timeout_s after
+    its creation, not park_unfinished_s (1800 s): 1,000 requests stored, finished and read leave nothing behind
+    61 s later (at 150 requests/s a first look at 1800 s would hold 30 minutes of them)."""
+    clock, reporter = Clock(), Reporter()
+    lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
+    for i in range(1000):
+        lot.store(i, f"r{i}", [b"k"], [i])
+        lot.request_finished(f"r{i}")
+        p = lot.parcels[f"r{i}"]
+        lot.bind(p, Lease(i, None, {}, 20.0, 30.0, offered={b"k": i}))  # a lease's entry stays until its end
+        lot.release(p, [b"k"], "unread")
+    assert not lot.parcels and all(e.success for e in reporter.events if isinstance(e, JobDone))
+    clock.now = 61.0
+    lot.tick()
+    assert lot._due == []
+
+
+def test_a_store_joining_a_finished_request_gets_its_own_park_timeout_s():
+    """A peer's lookup answered twice for the same asker id: the second store joins the parcel the first end
+    finished, and the second end starts the clock again (before: reaped seconds after it was parked)."""
+    clock, reporter = Clock(), Reporter()
+    lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
+    lot.store(1, "asker", [b"a"], [1])
+    lot.request_finished("asker")
+    clock.now = 50.0
+    lot.store(2, "asker", [b"b"], [2])
+    lot.request_finished("asker")
+    clock.now = 61.0
+    lot.tick()
+    assert not reporter.events and "asker" in lot.parcels
+    clock.now = 111.0
+    lot.tick()
+    assert sorted(e.job_id for e in reporter.events if isinstance(e, JobDone) and not e.success) == [1, 2]
+
+
+def test_a_parcel_a_fetch_made_for_an_id_never_stored_is_dropped_after_park_timeout_s():
+    """A consumer's Fetch makes a parcel for its id; with nothing ever parked and no end told it holds no row, and
+    is dropped at the first look (not kept for park_unfinished_s: a peer could make them at will)."""
+    clock, reporter = Clock(), Reporter()
+    lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
+    lot.parcel("never")
+    clock.now = 61.0
+    lot.tick()
+    assert "never" not in lot.parcels and lot._due == [] and not reporter.events
+
+
+def test_an_unfinished_parcel_with_stores_is_kept_past_the_first_look():
+    clock, reporter = Clock(), Reporter()
+    lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
+    lot.store(1, "long", [b"a"], [1])
+    clock.now = 61.0
+    lot.tick()
+    assert "long" in lot.parcels and not reporter.events and [d for d, *_ in lot._due] == [1800.0]
