@@ -231,12 +231,14 @@ class Model:
         for s in self.old_sessions:  # the sides that had not noticed a lost link notice now
             side = p.a if s.ctx is p.a.ctx else p.b
             side.run(s, s.close("link lost (noticed late)"))
-        for _ in range(5):
+        # the last step runs past park_unfinished_s: stores of a request whose end was never told are reaped then
+        # (park_timeout_s counts from the end; vLLM tells every end, the model does not always)
+        for step_s in (100, 100, 100, 100, 100, p.b.lot.park_unfinished_s):
             p.pull_all()
             self.check()
             for tid in list(p.a.data.reads):
                 p.a.settle(tid, False, "cancelled")
-            p.advance(100)
+            p.advance(step_s)
             self.tick()
             for side in (p.a, p.b):
                 for lookup_id, n in list(side.session._serving.items()):
