@@ -85,10 +85,14 @@ class Parcel:
     rows: dict[bytes, int] = field(default_factory=dict)  # parked key -> local row
     job_of: dict[bytes, int] = field(default_factory=dict)  # parked key -> store job
     jobs: dict[int, StoreRecord] = field(default_factory=dict)  # open store jobs
-    finished: bool = False  # the producer's request ended: no more stores will come
-    finished_at: float = math.inf  # when (the park_timeout_s clock starts)
+    finished_at: float = math.inf  # when the producer's request ended (the park_timeout_s clock starts); inf: not yet
     served: bool = False  # a lease ended (released or expired) at least once
     lease: Lease | None = None
+
+    @property
+    def finished(self) -> bool:
+        """The producer's request ended: no more stores will come."""
+        return self.finished_at != math.inf
 
 
 class ParkingLot:
@@ -134,7 +138,7 @@ class ParkingLot:
     def _finish(self, p: Parcel) -> None:
         """The request ended (again: a lookup's store for the same asker id joins a finished parcel, and each one
         gets its own park_timeout_s).  One heap entry per end told: linear in the commands."""
-        p.finished, p.finished_at = True, self.clock()
+        p.finished_at = self.clock()
         heapq.heappush(self._due, (self._reap_at(p), next(self._seq), p, None))
 
     # ------------------------------------------------------------ from the adapter

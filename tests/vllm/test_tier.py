@@ -504,6 +504,16 @@ def idle_steps(engine: Engine, timeout_s: float = 30.0) -> int:
     return n
 
 
+def _kill_if_alive(pid: int | None) -> None:
+    """A test's worker it may have left stopped, stuck or alive: SIGKILL it if it still runs (teardown)."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _restarted(engine: Engine) -> int:
     """SIGKILL the engine's worker; step until the tier has spawned the next one (not ready yet).  Its pid."""
     old = engine.tier._client.proc.pid
@@ -682,10 +692,7 @@ def test_a_wedged_worker_that_outlives_its_sigkill_is_killed_again_and_its_jobs_
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_if_alive(pid)
         eng.close()
 
 
@@ -773,11 +780,7 @@ def test_a_ready_after_our_sigkill_is_ignored(free_port, monkeypatch, caplog):
         os.kill(late, signal.SIGKILL)  # the kill arrives
         run_until([eng], lambda: eng.tier._ready and eng.tier._client.proc.pid != late, timeout_s=30)
     finally:
-        try:
-            if late is not None:
-                os.kill(late, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_if_alive(late)
         eng.close()
 
 
@@ -810,10 +813,7 @@ def test_jobs_of_a_worker_ended_for_an_error_fail_only_once_it_is_gone(free_port
         assert eng.tier._fatal is not None  # and not restarted: vLLM stops stepping for it
         run_until([eng], lambda: not eng.tier.has_pending_work(), timeout_s=10)
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_if_alive(pid)
         eng.close()
 
 
@@ -872,11 +872,7 @@ def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vll
         with pytest.raises(ProcessLookupError):
             os.kill(stuck, 0)  # reaped: no zombie left
     finally:
-        try:
-            if stuck is not None:
-                os.kill(stuck, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_if_alive(stuck)
         eng.close()
 
 
@@ -916,8 +912,5 @@ def test_a_worker_without_jobs_that_outlives_its_sigkill_is_given_up_without_blo
         run_until([eng], lambda: eng.tier._ready, timeout_s=60)  # within the restart backoff (30 s at most)
         assert eng.tier._client.proc.pid != stuck
     finally:
-        try:
-            os.kill(stuck, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_if_alive(stuck)
         eng.close()
