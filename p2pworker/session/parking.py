@@ -319,6 +319,10 @@ class ParkingLot:
                 # the first look at an unfinished parcel, or an entry of an earlier end: the bound in force
                 heapq.heappush(due, (at, next(self._seq), p, None))
             else:
+                # Invariant 7: only a parcel without a lease is dropped (drop() asserts it), and a consumer reads only
+                # rows offered under a lease, so no read of these rows runs or can start once their jobs are reported;
+                # the rows are vLLM's (the producer engine's) again.  Invariant 8: per parcel, one entry at its first
+                # look, one per end told and one per lease; a tick pops only what is due.
                 self.reaped += bool(p.jobs)  # tombstones (nothing parked) are not reaped stores
                 self.drop(p, f"not fetched within {self.park_timeout_s:g} s of its request's end" if p.finished
                           else f"its request did not end within {self.park_unfinished_s:g} s")
