@@ -25,7 +25,7 @@ Scalar = Union[str, int, float, bool, None]
 # The check needs AttachRegion itself to decode on the other side: its RegionHandle forbids unknown fields, so a
 # field added there makes an older worker fail to decode it, which the worker reports as this same mismatch
 # (an undecodable command before any region is attached).
-RING_API = 1
+RING_API = 2  # 2: ConsumerDone; ResetCache.loads
 
 
 def ring_api_mismatch(theirs: int, who: str) -> str | None:
@@ -95,6 +95,15 @@ class RequestFinished(msgspec.Struct, tag="request_finished"):
     request_id: str
 
 
+class ConsumerDone(msgspec.Struct, tag="consumer_done"):
+    """A consumer request of ours ended (loaded, recomputed or aborted): the worker at ``address`` may release
+    whatever it parked for ``request_id`` and we did not fetch (a shared prefix we held already, say).  Without it
+    those rows stay pinned in that engine until its park_timeout_s, and its vLLM cannot drain."""
+
+    address: str
+    request_id: str
+
+
 class ResetCache(msgspec.Struct, tag="reset_cache"):
     """vLLM resets its cache (sleep, weight update; the tier's ``drain_jobs``): the rows of our open jobs go back to
     vLLM.  Every parked request no consumer can be reading (no lease) is failed at once; one under a lease ends with
@@ -102,6 +111,8 @@ class ResetCache(msgspec.Struct, tag="reset_cache"):
     settled (none is aborted mid-copy).  Later work is served as usual."""
 
     reason: str = "vLLM reset its cache"
+    # False: parked stores only (vLLM drains for shutdown: its requests in flight still finish, loads included)
+    loads: bool = True
 
 
 class Drain(msgspec.Struct, tag="drain"):
@@ -113,7 +124,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 Command = Union[AttachRegion, OpenSession, CloseSession, StoreJob, LoadJob, LookupKeys, AnswerLookup,
-                RequestFinished, ResetCache, Drain, Shutdown]
+                RequestFinished, ConsumerDone, ResetCache, Drain, Shutdown]
 
 
 # ---------------------------------------------------------------- events

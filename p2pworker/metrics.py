@@ -81,6 +81,8 @@ class _WorkerState:
         for name, doc, key in (
             ("p2pworker_peer_deaths", "Control links declared down", "peer_deaths"),
             ("p2pworker_protocol_errors", "Sessions closed on a protocol error", "protocol_errors"),
+            ("p2pworker_peers_unreachable", "Dials that never came up (refused, not a p2pworker, silent)",
+             "peers_unreachable"),
         ):
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(ident, w.counters[key])

@@ -88,6 +88,7 @@ _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only; re
 RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
 RECONNECT_MAX_S = 5.0
 RETRY_FORGET_S = 60.0
+UNREACHABLE_LOGGED_MAX = 1024  # addresses whose first failure was logged (then the set starts afresh)
 RESOLVE_TTL_S = 30.0  # how long a host name that resolved is trusted to resolve again (libzmq does the real lookup)
 RESOLVE_TIMEOUT_S = 5.0  # commands parked behind a slower lookup fail (bounded wait, invariant 4)
 PARKED = "parked until the peer's host name is resolved"
@@ -168,6 +169,7 @@ class Worker:
         self._failed_log = [0.0, 0]  # [second started, failed jobs in it]
         self._link_addr: dict[str, str] = {}  # outbound link id -> the address key it was opened for
         self._was_up: set[str] = set()  # outbound links that were up once (a reconnect is not a first contact)
+        self._unreachable_logged: set[str] = set()  # addresses whose first failure to come up was logged
         # Name resolution runs off the event loop (a slow resolver must not stall heartbeats): address -> the
         # lookup in flight and the commands waiting for it.
         self._resolving: dict[str, tuple[_Lookup, list]] = {}
@@ -277,7 +279,9 @@ class Worker:
             if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
                 self._drained_sent = True  # draining stays in force: new work is still refused
                 self._emit(api.Drained())
-        if now >= self._next_heartbeat and not self.pending:  # events waiting prove liveness already
+        # Events waiting, here or unread in the ring, prove liveness already.  And an idle vLLM 0.32 engine is woken
+        # for what its tier must read (vllm_adapter.engine_hook): one heartbeat left unread there is not that.
+        if now >= self._next_heartbeat and not self.pending and not self.evt.depth():
             self._next_heartbeat = now + api.HEARTBEAT_S
             self._heartbeats += 1
             self._emit(api.Heartbeat(self._heartbeats))
@@ -621,12 +625,18 @@ class Worker:
             case api.RequestFinished():
                 if self.ctx is not None:
                     self._pump(self.ctx.lot.request_finished(cmd.request_id))
+            case api.ConsumerDone():
+                if self.ctx is not None and not self.stopping:
+                    s, _ = self._session_for(cmd.address, cmd)  # none (unreachable, resolving): its reaper ends them
+                    if s is not None:
+                        self._run(s.link, s, s.done(cmd.request_id))
             case api.ResetCache():
                 if self.ctx is not None:
                     for p in self.ctx.lot.reset(cmd.reason):
                         self._pump(p)
-                    for link, s in list(self.sessions.items()):  # reported once their reads settled (none aborted)
-                        self._run(link, s, s.cancel_loads(cmd.reason))
+                    if cmd.loads:  # reported once their reads settled (none aborted)
+                        for link, s in list(self.sessions.items()):
+                            self._run(link, s, s.cancel_loads(cmd.reason))
             case api.OpenSession():
                 if cmd.keep:
                     self.kept.add(_addr_key(cmd.address))
@@ -960,6 +970,10 @@ class Worker:
                     self._retire(other)
         elif isinstance(ev, LinkDown):
             self.counters["peer_deaths"] += 1
+            key = self._link_addr.get(ev.link)
+            if key is not None and ev.link not in self._was_up:
+                self._unreachable(ev.link, key, ev.reason)
+                return
             s = self.sessions.get(ev.link)
             if s is not None:
                 # A peer that shuts down sends its Bye on the session's lane, then closes both; this turn may see the
@@ -969,6 +983,26 @@ class Worker:
             if s is not None and self.sessions.get(ev.link) is s and s.state is not State.CLOSED:
                 self._run(None, s, s.close(f"peer lost: {ev.reason}"))
                 self._retire(s)
+
+    def _unreachable(self, link: str, key: str, reason: str) -> None:
+        """An outbound link that never came up went down: the address is wrong (refused; not a p2pworker) or silent.
+        What waits on it fails now (lookups MISS, loads fail: vLLM recomputes), and so does what comes for it until
+        the backoff ends (_session_for), instead of queueing for a handshake that will not come.  Logged once per
+        address (bounded) and counted (p2pworker_peers_unreachable)."""
+        self.counters["peers_unreachable"] += 1
+        if key not in self._unreachable_logged:
+            if len(self._unreachable_logged) >= UNREACHABLE_LOGGED_MAX:
+                self._unreachable_logged.clear()
+            self._unreachable_logged.add(key)
+            log.warning("peer %s unreachable: %s; pulls from it recompute (retried after a backoff)", key, reason)
+        self.out_links.pop(key, None)
+        self._link_addr.pop(link, None)
+        self.ctl.disconnect(link)
+        s = self.sessions.get(link)
+        if s is not None:
+            self._run(None, s, s.close(f"peer {key} unreachable: {reason}"))
+            self._retire(s)
+        self._backoff(key, f"unreachable: {reason}")
 
     def _drain_lane(self, link: str, s: Session) -> None:
         """Deliver the frames ``s``'s lane holds now (its end, if it ended, is the caller's to handle).  Writes no

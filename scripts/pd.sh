@@ -27,6 +27,8 @@
 #                        127.0.0.1:<port>/metrics (given inline as the tier's worker_settings, over configs/<role>.toml)
 #   SAME_HOST [1]        0: the workers never copy out of a same-host peer's region file ([data] same_host = false;
 #                        NIXL even when both engines run here)
+#   DECODE_OFFLOAD_PROMPT_ONLY [1]  0: the decode engine offloads its generated KV too (offload_prompt_only: false),
+#                        so a prefill engine's next turn can pull the conversation's history from it (multi-turn P/D)
 #   P2PWORKER_SECRET     shared control-plane secret (generated into RUN_DIR if unset)
 #   HEALTH_TIMEOUT_S [240], STOP_TIMEOUT_S [30]
 #   VLLM_ARGS            extra arguments for both engines (e.g. "--dtype float32 --max-model-len 2048")
@@ -48,6 +50,7 @@ ROUTER_HOST=${ROUTER_HOST:-127.0.0.1}
 PREFILL_WORKER_METRICS=${PREFILL_WORKER_METRICS:-0}
 DECODE_WORKER_METRICS=${DECODE_WORKER_METRICS:-0}
 SAME_HOST=${SAME_HOST:-1}
+DECODE_OFFLOAD_PROMPT_ONLY=${DECODE_OFFLOAD_PROMPT_ONLY:-1}
 HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-240}
 STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-30}
 PY="$VENV/bin/python"
@@ -59,7 +62,7 @@ alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
 kv_config() {  # role port engine_id -> the --kv-transfer-config JSON
   "$PY" - "$@" <<'EOF'
 import json, sys
-role, port, engine_id, platform, cpu_bytes, root, metrics, host, same_host = sys.argv[1:10]
+role, port, engine_id, platform, cpu_bytes, root, metrics, host, same_host, prompt_only = sys.argv[1:11]
 spec = ({"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "vllm_adapter.cpu_spec"}
         if platform == "cpu" else {"spec_name": "TieringOffloadingSpec"})
 tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": host, "port": int(port),
@@ -73,14 +76,19 @@ if settings:
     tier["worker_settings"] = settings
 print(json.dumps({
     "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
-    "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": int(cpu_bytes), "secondary_tiers": [tier]}}))
+    "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": int(cpu_bytes), "secondary_tiers": [tier],
+                                  # false: generated KV is offloaded too (a peer's next turn pulls the history)
+                                  "offload_prompt_only": prompt_only != "0"}}))
 EOF
 }
 
 start_engine() {  # role http_port p2p_port extra_env worker_metrics_port host
   local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 host=$6 engine_id cfg rpc
   engine_id="p2pw-$role-$$-$RANDOM"  # $RANDOM: pids repeat across PID namespaces (emulated hosts)
-  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host" "$SAME_HOST")
+  local prompt_only=1
+  [ "$role" = decode ] && prompt_only=$DECODE_OFFLOAD_PROMPT_ONLY
+  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host" "$SAME_HOST" \
+    "$prompt_only")
   echo "$cfg" > "$RUN_DIR/$role.kv.json"
   echo "$engine_id" > "$RUN_DIR/$role.engine_id"
   # vLLM's ZMQ ipc sockets (VLLM_RPC_BASE_PATH, else $TMPDIR: /tmp) outlive a SIGTERMed engine (an e2e run left 56 in

@@ -51,6 +51,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ from p2pworker.errors import MessageTooLarge, P2PError
 from p2pworker.session.session import longest_hold_s
 from p2pworker.shm.maps import handle_for_range
 from p2pworker.shm.ring import PeerStatus
+from vllm_adapter.engine_hook import EngineCore, IdleWaker, find_engine_core
 
 log = logging.getLogger("vllm_adapter.tier")
 
@@ -94,6 +96,10 @@ DRAIN_SLACK_S, DRAIN_LOG_S = 5.0, 10.0  # drain_jobs: slack past the longest lea
 # the kernel): one with jobs is killed again and said in the log, every time (its jobs end once it is gone); one
 # without (it never said Ready, or its jobs ended) is given up then: its rings closed, the next worker started.
 KILL_RETRY_S = 10.0
+# vLLM drains for shutdown (its engine core's shutdown_state): parked stores no consumer is reading end at once, and
+# again this often while jobs are open (a request still finishing in the drain parks afresh; its consumer had this
+# long to fetch it).  Without it every stop waits out --shutdown-timeout and ends in a kill (invariant 6).
+STOP_RESET_S = 2.0
 
 
 class _Kind(enum.Enum):
@@ -139,12 +145,25 @@ class RoleKind(enum.Enum):
     PRODUCER = "producer"  # remote_decoder: our blocks are offered to the decode engine's worker
     CONSUMER = "consumer"  # remote_prefiller: a PD decode; every lookup is answered by that producer
     SYMMETRIC = "symmetric"  # remote_kv_source: look up what a peer engine holds, load the hits
+    # remote_decoder + remote_kv_source (llm-d's P/D + P2P prefill leg, multi-turn P/D): the prefix is pulled from
+    # the source as SYMMETRIC does, the rest computed, and every block (pulled and computed) parked for the decode
+    PRODUCER_PULLING = "producer+pull"
     NONE = "none"  # no (usable) P2P params: MISS, recompute
 
     @property
     def loads(self) -> bool:
         """Its lookups go to a peer and its hits are loaded from there."""
-        return self in (RoleKind.CONSUMER, RoleKind.SYMMETRIC)
+        return self in (RoleKind.CONSUMER, RoleKind.SYMMETRIC, RoleKind.PRODUCER_PULLING)
+
+    @property
+    def produces(self) -> bool:
+        """Its stores are parked for a decode engine's fetch."""
+        return self in (RoleKind.PRODUCER, RoleKind.PRODUCER_PULLING)
+
+    @property
+    def asks(self) -> bool:
+        """Its lookups are asked of the peer key by key (a PD consumer's are HIT: the producer will have them)."""
+        return self in (RoleKind.SYMMETRIC, RoleKind.PRODUCER_PULLING)
 
 
 class _JobKind(enum.Enum):
@@ -167,37 +186,49 @@ class PDRole:
     """What a request is to this tier, parsed once from kv_transfer_params."""
 
     kind: RoleKind
-    kv_request_id: str = ""
-    address: str = ""  # consumer: the producer's worker, host:port
+    kv_request_id: str = ""  # a loading role's id at its peer (what it fetches and looks up under)
+    address: str = ""  # a loading role: the peer's worker, host:port
+    park_id: str = ""  # a producing role: the decode's kv_request_id, which our stores are parked under
 
 
-def parse_role(params: Any) -> PDRole:
-    """vLLM's kv_transfer_params -> PDRole; invalid params are logged and give role none (MISS)."""
-    if not isinstance(params, dict):
-        return PDRole(RoleKind.NONE)
-    dec = params.get("remote_decoder")
-    if isinstance(dec, dict):
-        rid = dec.get("kv_request_id")
-        if isinstance(rid, str) and rid:
-            return PDRole(RoleKind.PRODUCER, rid)
-        log.error("remote_decoder without a usable kv_request_id: %r; not offloading to peers", dec)
-        return PDRole(RoleKind.NONE)
-    for field_name, kind in (("remote_prefiller", RoleKind.CONSUMER), ("remote_kv_source", RoleKind.SYMMETRIC)):
-        pre = params.get(field_name)
-        if pre is None:
-            continue
-        if not isinstance(pre, dict):
-            log.error("invalid %s %r; recomputing", field_name, pre)
-            return PDRole(RoleKind.NONE)
+def _peer(field_name: str, pre: Any) -> tuple[str, str] | None:
+    """(kv_request_id, host:port) of a remote_prefiller / remote_kv_source entry, or None (logged) if unusable."""
+    if isinstance(pre, dict):
         rid, host, port = pre.get("kv_request_id"), pre.get("remote_host"), pre.get("remote_port")
         try:
             port = int(port)
         except (TypeError, ValueError):
             port = -1
         if isinstance(rid, str) and rid and isinstance(host, str) and host and 0 < port < 65536:
-            return PDRole(kind, rid, f"{host}:{port}")
-        log.error("invalid %s %r (need kv_request_id, remote_host, remote_port); recomputing", field_name, pre)
+            return rid, f"{host}:{port}"
+    log.error("invalid %s %r (need kv_request_id, remote_host, remote_port); recomputing", field_name, pre)
+    return None
+
+
+def parse_role(params: Any) -> PDRole:
+    """vLLM's kv_transfer_params -> PDRole; invalid params are logged and give role none (MISS).
+
+    ``remote_decoder`` with ``remote_kv_source`` is the one legal pair (vLLM's p2p protocol): a prefill engine that
+    pulls its prefix from the source and serves the decode.  An unusable source there leaves a plain producer."""
+    if not isinstance(params, dict):
         return PDRole(RoleKind.NONE)
+    dec = params.get("remote_decoder")
+    if dec is not None:
+        rid = dec.get("kv_request_id") if isinstance(dec, dict) else None
+        if not (isinstance(rid, str) and rid):
+            log.error("remote_decoder without a usable kv_request_id: %r; not offloading to peers", dec)
+            return PDRole(RoleKind.NONE)
+        src = params.get("remote_kv_source")
+        pull = _peer("remote_kv_source", src) if src is not None else None
+        if pull is None:
+            return PDRole(RoleKind.PRODUCER, park_id=rid)
+        return PDRole(RoleKind.PRODUCER_PULLING, pull[0], pull[1], park_id=rid)
+    for field_name, kind in (("remote_prefiller", RoleKind.CONSUMER), ("remote_kv_source", RoleKind.SYMMETRIC)):
+        pre = params.get(field_name)
+        if pre is None:
+            continue
+        peer = _peer(field_name, pre)
+        return PDRole(kind, peer[0], peer[1]) if peer is not None else PDRole(RoleKind.NONE)
     return PDRole(RoleKind.NONE)
 
 
@@ -284,6 +315,19 @@ class P2PWorkerTier(SecondaryTierManager):
         self.restarts = 0
         self._stats = {"loads_ok": 0, "loads_failed": 0, "stores_ok": 0, "stores_failed": 0, "worker_deaths": 0}
         self._reported: dict[tuple[str, tuple[str, ...]], int] = {}  # what get_stats has handed vLLM so far
+        # The engine core constructing us (vllm_adapter.engine_hook): read for its shutdown, and on vLLM 0.32 (no
+        # tier-poll thread) woken when our worker has something for us while it idles.
+        self._engine: EngineCore | None = find_engine_core(sys._getframe(1))
+        self._last_call = time.monotonic()  # when vLLM last called _pump (the waker's notion of idle)
+        self._stop_reset_at: float | None = None  # vLLM is draining for shutdown: the next ResetCache then
+        poll_s = float(getattr(offloading_spec, "tier_poll_interval_s", 0.0) or 0.0)  # 0.33's poll thread
+        self._waker: IdleWaker | None = None
+        if self._engine is not None and poll_s <= 0:
+            self._waker = IdleWaker(self._engine, lambda: self._last_call, self._name)
+        log.info("P2PWorkerTier %s: %s", self._name,
+                 "no vLLM engine core found: an idle engine serves peers' pulls only at its next request"
+                 if self._engine is None else f"vLLM's tier-poll thread serves peers every {poll_s:g} s"
+                 if poll_s > 0 else "an idle engine is woken for peers' pulls (no tier-poll thread in this vLLM)")
         self._start_worker()
         deadline = time.monotonic() + start_timeout_s
         while not self._ready:  # start-up only: the engine is not serving yet
@@ -309,6 +353,8 @@ class P2PWorkerTier(SecondaryTierManager):
             else:
                 self._client = WorkerClient(self._name, config_path=self._worker_config, args=self._worker_args)
             self._ready = False
+            if self._waker is not None:
+                self._waker.retarget(self._client.evt)
             if not self._client.send(api.AttachRegion(self._handle, self._identity, api.RING_API)):
                 raise P2PError("command ring full at start")
             # Right behind the AttachRegion, not on Ready: the worker serves its port from the AttachRegion on, and
@@ -319,6 +365,8 @@ class P2PWorkerTier(SecondaryTierManager):
         except (P2PError, OSError) as e:
             log.error("starting p2pworker failed: %s", e)
             self._client = None
+            if self._waker is not None:
+                self._waker.retarget(None)
             self._schedule_restart()
 
     def _schedule_restart(self) -> None:
@@ -382,6 +430,8 @@ class P2PWorkerTier(SecondaryTierManager):
         self._to_serve.clear()
         self._outbox.clear()  # their jobs were failed above
         self._client, self._ready = None, False
+        if self._waker is not None:
+            self._waker.retarget(None)  # before its rings close under it
         if client is not None:
             try:
                 if gone and client.proc is not None and client.alive():
@@ -402,6 +452,9 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def _pump(self) -> None:
         """Collect worker events; notice a dead or wedged worker; restart one when due.  Never blocks."""
+        self._last_call = time.monotonic()
+        if self._engine is not None and self._jobs and self._engine.stopping():
+            self._end_parked_for_stop()
         if self._abandoned:  # ~2 us (waitpid) each, only while one is left: reaped even while no worker runs
             self._reap_abandoned()
         client = self._client
@@ -512,6 +565,21 @@ class P2PWorkerTier(SecondaryTierManager):
                     del self._lookups[lookup_id]
                     self._answer(rid, keys, None)
         self._flush()
+
+    def _end_parked_for_stop(self) -> None:
+        """vLLM drains for shutdown: our open jobs keep it stepping until --shutdown-timeout, then it kills the engine
+        and leaves the region file behind.  The worker ends the parked stores no consumer is reading (a lease holds
+        its rows until the consumer's Release or the lease's end: invariant 7), now and every STOP_RESET_S while
+        jobs are open; loads go on (their requests finish in the drain)."""
+        now = time.monotonic()
+        if self._stop_reset_at is not None and now < self._stop_reset_at:
+            return
+        if self._stop_reset_at is None:
+            log.info("vLLM is shutting down: ending the %d parked store(s) of p2pworker %s that no consumer is "
+                     "reading", sum(j.kind is _JobKind.STORE for j in self._jobs.values()), self._name)
+        self._stop_reset_at = now + STOP_RESET_S
+        if self._send(api.ResetCache("vLLM is shutting down", loads=False)):
+            self._flush()
 
     def _kill(self, client: WorkerClient, now: float, why: str) -> None:
         """SIGKILL a worker whose pid lives but that does not serve; its jobs fail once it is gone (_pump)."""
@@ -638,10 +706,10 @@ class P2PWorkerTier(SecondaryTierManager):
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         role = parse_role(req_context.kv_transfer_params)
         req_context.set_state(role)
-        if role.kind is RoleKind.PRODUCER:
-            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         if role.kind.loads:
             self._open_ahead(role.address)
+        if role.kind.produces:  # every block of the request, pulled or cached ones too, is cascaded to us
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
 
     def _open_ahead(self, address: str) -> None:
@@ -670,7 +738,7 @@ class P2PWorkerTier(SecondaryTierManager):
         role = self._role(req_context)
         if not role.kind.loads or role.kv_request_id in self._failed_req_ids or not self._serving():
             return LookupResult.MISS
-        if role.kind is RoleKind.CONSUMER:
+        if not role.kind.asks:
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
         rid, k = role.kv_request_id, bytes(key)
         answers = self._answers.get(rid)
@@ -688,14 +756,14 @@ class P2PWorkerTier(SecondaryTierManager):
     def submit_store(self, job: TransferJob) -> None:
         role = self._role(job.req_context)
         now = time.monotonic()
-        if role.kind is not RoleKind.PRODUCER:
+        if not role.kind.produces:
             self._results.append(JobResult(job.job_id, True))  # nothing to keep for peers
             return
         keys = list(job.keys)  # OffloadKey is bytes
-        self._jobs[job.job_id] = _OpenJob(_JobKind.STORE, keys, role.kv_request_id, now)
+        self._jobs[job.job_id] = _OpenJob(_JobKind.STORE, keys, role.park_id, now)
         if len(keys) > api.MAX_JOB_KEYS:
             self._finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
-        elif not self._send(api.StoreJob(job.job_id, role.kv_request_id, keys, _rows(job.chunk_ids))):
+        elif not self._send(api.StoreJob(job.job_id, role.park_id, keys, _rows(job.chunk_ids))):
             self._finish(job.job_id, False, None, 0.0, None, "worker not ready or command ring full")
 
     def submit_load(self, job: TransferJob) -> None:
@@ -751,16 +819,21 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def on_request_finished(self, req_context) -> None:
         role = self._role(req_context)
-        if role.kind is RoleKind.PRODUCER:
-            self._recent_finished[role.kv_request_id] = time.monotonic()
-            self._recent_finished.move_to_end(role.kv_request_id)
+        if role.kind.produces:
+            rid = role.park_id
+            self._recent_finished[rid] = time.monotonic()
+            self._recent_finished.move_to_end(rid)
             if len(self._recent_finished) > RECENT_FINISHED_MAX:
                 self._recent_finished.popitem(last=False)
-            self._tell_finished(role.kv_request_id)
-        elif role.kind is RoleKind.SYMMETRIC:
+            self._tell_finished(rid)
+        if role.kind.asks:
             self._answers.pop(role.kv_request_id, None)
             self._asked.pop(role.kv_request_id, None)
-        self._failed_req_ids.discard(role.kv_request_id)
+        if role.kind.loads:
+            # Loaded all, some or none (it held a shared prefix; it recomputed; it was aborted): the peer releases
+            # what it parked for us and we did not fetch now, not park_timeout_s after its own request's end.
+            self._send(api.ConsumerDone(role.address, role.kv_request_id))
+            self._failed_req_ids.discard(role.kv_request_id)
 
     def serve_external_requests(self, parent) -> None:
         """Answer peers' lookups: pin our hits through vLLM and park them under the asker's request id."""
@@ -796,9 +869,15 @@ class P2PWorkerTier(SecondaryTierManager):
         # Bounded: such a worker is killed after start_timeout_s (_pump).
         # A worker we SIGKILLed: until vLLM calls us nobody sees it gone (and restarts one) or gives it up; bounded,
         # without jobs, by KILL_RETRY_S (_kill_failed).  A given-up one is not waited for (it may never die).
+        # Events unread on the ring: vLLM 0.32's idle engine steps once when the waker woke it, and reads them.
+        # While vLLM stops, a worker to (re)start is not work: its drain would wait for it, then kill the engine.
+        client = self._client
+        stopping = self._engine is not None and self._engine.stopping()
         return bool(self._jobs or self._results or self._asking or self._lookups or self._to_serve
-                    or self._outbox) or (self._client is None and self._fatal is None) or self._starting() or (
-                        self._client is not None and self._client.cmd.pending_bytes > 0) or (
+                    or self._outbox) or (client is None and self._fatal is None and not stopping) or (
+                        self._starting() and not stopping) or (
+                        client is not None and (client.cmd.pending_bytes > 0 or (
+                            self._waker is not None and client.evt.depth() > 0))) or (
                         self._killing_since is not None)
 
     def drain_jobs(self) -> None:
@@ -833,6 +912,9 @@ class P2PWorkerTier(SecondaryTierManager):
             self._worker_died("killed: a job outlived the longest lease while vLLM drained the tier")
 
     def shutdown(self) -> None:
+        if self._waker is not None:
+            self._waker.close()
+            self._waker = None
         client, self._client, self._ready = self._client, None, False
         if client is not None:
             code = client.close()

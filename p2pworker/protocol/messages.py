@@ -23,8 +23,9 @@ from p2pworker.limits import MAX_FRAME_BYTES, MAX_JOB_KEYS, MAX_KEY_BYTES, MAX_M
 # 2: consumer pull (Fetch/Offer/Release) replaced producer push.  3: key lists of any length go as parts.
 # 4: PeerDataInfo.same_host (a same-host peer copies from our region file).  5: it gets the file descriptors
 # over a local socket (SameHostInfo.socket/token) instead of trusting an advertised pid.  6: a same-host session's
-# messages may move to a local lane (Hello.lane, LaneUp; p2pworker.control.lane).
-PROTOCOL_VERSION = 6
+# messages may move to a local lane (Hello.lane, LaneUp; p2pworker.control.lane).  7: Done (the consumer needs nothing
+# more of a request: the producer releases what it parked and nobody fetched).
+PROTOCOL_VERSION = 7
 # Invariant 8: a frame carries at most MAX_KEYS keys (so it stays far below MAX_FRAME_BYTES), and a round or a
 # lookup of more keys goes as several frames: Fetch/Lookup parts (``part`` 0, 1, ...; ``more`` on all but the
 # last), Offers in pieces (``final`` on the last), Release/LookupResp parts (``more``).  The receiver puts the
@@ -109,6 +110,17 @@ class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
     more: bool = False  # more read keys follow: act on the last part only
 
 
+class Done(msgspec.Struct, tag="done", forbid_unknown_fields=True):
+    """Consumer -> producer: my request ``request_id`` ended; I will fetch nothing more of it.
+
+    The producer reports at once every store of that request that is parked and not leased (rows under a lease
+    still wait for that round's Release or the lease's end), and stores that arrive later are not parked.  Sent when
+    the consumer's vLLM request ends, whether it loaded all, some or none of what was parked (a shared prefix it
+    held already is never fetched)."""
+
+    request_id: Id
+
+
 class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
     """Which of ``keys`` do you hold?  The peer pins and parks its hits under ``request_id`` for a fetch."""
 
@@ -148,7 +160,7 @@ class Bye(msgspec.Struct, tag="bye", forbid_unknown_fields=True):
     reason: Reason = ""
 
 
-Message = Union[Hello, HelloAck, Fetch, Offer, Release, Lookup, LookupResp, Probe, ProbeInfo, LaneUp, Bye]
+Message = Union[Hello, HelloAck, Fetch, Offer, Release, Done, Lookup, LookupResp, Probe, ProbeInfo, LaneUp, Bye]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -14,7 +14,10 @@ job is reported only when none of its rows can still be read by a consumer:
   reading, and nothing in this process can stop a one-sided READ);
 - success: when every key of the job was read by a consumer (its Release
   named it), or when the request is finished and served and the consumer
-  did not ask for the rest;
+  did not ask for the rest, or when the consumer said it needs nothing more of
+  the request (``Done``: its own request ended; it held a shared prefix
+  already, recomputed, or was aborted): then the parcel's unleased stores end at
+  once, and stores that come later are not parked;
 - failure: when an offered key was not read (Release without it, or the
   lease ran out), when its parcel was not fetched within ``park_timeout_s``
   of its request's end, or its request did not end within
@@ -88,6 +91,9 @@ class Parcel:
     finished_at: float = math.inf  # when the producer's request ended (the park_timeout_s clock starts); inf: not yet
     served: bool = False  # a lease ended (released or expired) at least once
     lease: Lease | None = None
+    # The consumer needs nothing more of it (Done): its unleased stores end at once and later ones are not parked.
+    # Kept (a tombstone) until the reaper's next look, so a store that comes after the Done is not parked either.
+    unneeded: bool = False
 
     @property
     def finished(self) -> bool:
@@ -155,6 +161,10 @@ class ParkingLot:
                                                           f"{MAX_JOB_KEYS} keys per job (p2pworker.limits)")
             return None
         p = self.parcel(request_id)
+        if p.unneeded and p.lease is None:
+            # Not parked: nobody will fetch it.  A success, as keys a consumer did not ask for (maybe_close).
+            self.reporter.done(job_id, True, (), 0, now, "the consumer needs nothing more of this request")
+            return None
         if p.finished and p.served and p.lease is None:
             self.reporter.done(job_id, False, (), 0, now, "request already served")
             return None
@@ -191,6 +201,16 @@ class ParkingLot:
             return p if p.lease.owner is not None else None
         self.maybe_close(p)
         return None
+
+    def consumer_done(self, request_id: str) -> None:
+        """The consumer's request ended (Done): it fetches nothing more.  Unleased stores end now (success: they were
+        not asked for, as in maybe_close); under a lease they end once it is released or runs out (invariant 7: a
+        row under a lease may still be read).  Idempotent; a Done for a request nothing was parked for leaves a
+        tombstone (dropped at the reaper's first look, park_timeout_s on) so stores that still come are not parked."""
+        p = self.parcel(request_id)
+        p.unneeded = True
+        p.served = True
+        self.maybe_close(p)
 
     # ------------------------------------------------------------ leases
     def offering_starts(self, lease: Lease, now: float) -> None:
@@ -283,12 +303,14 @@ class ParkingLot:
         self.reporter.done(job, success, rec.moved, len(rec.moved) * self.block_bytes, now, reason)
 
     def maybe_close(self, p: Parcel) -> None:
-        """A finished request whose fetch was served: the keys nobody asked for are done."""
-        if p.finished and p.lease is None and p.served:
+        """A finished request whose fetch was served, or one its consumer needs nothing more of: the keys nobody
+        asked for are done."""
+        if p.lease is None and p.served and (p.finished or p.unneeded):
             now = self.clock()
             for job in list(p.jobs):
                 self._close_job(p, job, True, now, "not requested by the consumer")
-            self.parcels.pop(p.request_id, None)
+            if not p.unneeded:  # an unneeded one stays a tombstone until the reaper's look (see consumer_done)
+                self.parcels.pop(p.request_id, None)
 
     def drop(self, p: Parcel, reason: str) -> None:
         """Fail every open store job of ``p`` and forget it.  Only for a parcel without a lease."""
@@ -337,10 +359,13 @@ class ParkingLot:
         owners = []
         for p in list(self.parcels.values()):
             if p.lease is None:
-                finished = p.finished
+                finished, unneeded = p.finished, p.unneeded
                 self.drop(p, reason)
-                if finished:
-                    self._finish(self.parcel(p.request_id))
+                if finished or unneeded:
+                    tomb = self.parcel(p.request_id)
+                    tomb.unneeded = tomb.served = unneeded
+                    if finished:
+                        self._finish(tomb)
             else:
                 self._finish(p)
                 if p.lease.owner is not None:

@@ -87,7 +87,7 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-_RUNNING = frozenset({m.Fetch, m.Offer, m.Release, m.Lookup, m.LookupResp, m.LaneUp, m.Bye})
+_RUNNING = frozenset({m.Fetch, m.Offer, m.Release, m.Done, m.Lookup, m.LookupResp, m.LaneUp, m.Bye})
 ALLOWED: dict[State, frozenset] = {
     State.IDLE: frozenset({m.Hello, m.Probe, m.Bye}),
     State.HELLO_SENT: frozenset({m.HelloAck, m.Bye}),
@@ -308,6 +308,7 @@ class Session:
             m.Fetch: self._on_fetch,
             m.Offer: self._on_offer,
             m.Release: self._on_release,
+            m.Done: self._on_done,
             m.Lookup: self._on_lookup,
             m.LookupResp: self._on_lookup_resp,
             m.Probe: self._on_probe,
@@ -529,6 +530,14 @@ class Session:
             self._send(fetch)
         if self.state is State.ACTIVE:
             load.fetches = []  # sent: nothing to withdraw
+        return self._take()
+
+    def done(self, request_id: str) -> list[Action]:
+        """Our request ``request_id`` ended: tell the producer it may release what we did not fetch (Done).  Queued
+        while the handshake is pending; dropped when the session is closed or its queue is full (the producer's
+        park_timeout_s still ends those rows: this only makes it sooner)."""
+        if not self._queue_full():
+            self._send(m.Done(request_id))
         return self._take()
 
     def lookup(self, lookup_id: int, keys: list[bytes], request_id: str) -> list[Action]:
@@ -789,6 +798,9 @@ class Session:
             i = part * m.MAX_KEYS
             self._emit(m.Offer(p.request_id, lease.round, part_keys, rows[i:i + m.MAX_KEYS], final and not more,
                                "" if more else reason))
+
+    def _on_done(self, msg: m.Done) -> None:
+        self.ctx.lot.consumer_done(msg.request_id)
 
     def _on_release(self, msg: m.Release) -> None:
         p = self.ctx.lot.parcels.get(msg.request_id)

@@ -502,6 +502,39 @@ class Ring:
         w = self._w
         return int(w[W_HEAD] - w[W_TAIL])
 
+    # ------------------------------------------------------------ watching (a second thread of the consumer)
+    def published(self) -> tuple[int, int]:
+        """(TAIL, HEAD): slots consumed and published so far.  Read-only: safe from a thread other than the
+        consumer's (each word is one aligned 8-byte load)."""
+        w = self._w
+        return int(w[W_TAIL]), int(w[W_HEAD])
+
+    def peek_head(self, slot: int, nbytes: int = 32) -> bytes:
+        """The first ``nbytes`` of slot ``slot``'s payload, unconsumed.  A hint only: the consumer may release the
+        slot and the producer re-fill it while this reads (then the bytes are of a message already taken).  While
+        the consumer does not consume, slots from TAIL to HEAD are stable (the producer writes only at HEAD)."""
+        off = HEADER_BYTES + (slot & self._mask) * self.slot_bytes
+        n = min(int(self._w[off >> 3]) & LEN_MASK, nbytes, self.capacity)
+        return bytes(self._buf[off + LEN_BYTES : off + LEN_BYTES + n])
+
+    def watch(self, after_head: int, timeout_s: float, interrupt_fd: int) -> None:
+        """Sleep until HEAD passes ``after_head``, ``interrupt_fd`` is readable, or ``timeout_s`` ends.  For a
+        watcher thread beside a consumer that only polls (the adapter's engine waker): it uses this endpoint's
+        sleep flag and bell, which the consumer's ``try_get`` never touches.  Never call it while the consumer
+        itself may sleep on this ring (``get``)."""
+        w = self._w
+        w[self._my_sleep] = 1
+        _fence()
+        try:
+            if w[W_HEAD] > after_head:
+                return
+            poller = select.poll()
+            poller.register(self._my_bell, select.POLLIN)
+            poller.register(interrupt_fd, select.POLLIN)
+            poller.poll(max(0, int(timeout_s * 1000)))
+        finally:
+            self.disarm()
+
     # ------------------------------------------------------------ waiting
     def _ring_peer_bell(self) -> None:
         _fence()

@@ -164,10 +164,10 @@ def tiny_model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running(pair: PD, on_stop=None, starts=(("start",),)):
+def running(pair: PD, on_stop=None, starts=(("start",),), before_stop=None):
     """`scripts/pd.sh start` ... `stop`; the stop must leave nothing behind and stop every engine in its bound.
-    ``starts``: the start invocations, e.g. one role at a time as on two machines.  ``on_stop(pair)`` runs after
-    the stop, before the checks (reports)."""
+    ``starts``: the start invocations, e.g. one role at a time as on two machines.  ``before_stop(pair)`` runs right
+    before the stop (traffic the stop must cope with); ``on_stop(pair)`` after it, before the checks (reports)."""
     try:
         for args in starts:
             p = pair.script(*args)
@@ -177,6 +177,8 @@ def running(pair: PD, on_stop=None, starts=(("start",),)):
         raise
     try:
         yield pair
+        if before_stop is not None:
+            before_stop(pair)
     finally:
         rpc = [d for role in ("prefill", "decode") if (d := pair.rpc_dir(role))]
         p = pair.script("stop", timeout_s=120)
@@ -201,6 +203,24 @@ def pd(tiny_model, tmp_path_factory):
     router`, with one shared secret, and the decode engine on its own loopback address (127.0.0.2: its HTTP port and
     its worker's control port bind there, and the router reaches it there)."""
     pair = PD(tiny_model, str(tmp_path_factory.mktemp("pd-run")))
-    pair.env.update({"DECODE_HOST": "127.0.0.2", "P2PWORKER_SECRET": "e2e-two-machines"})
-    with running(pair, on_stop=_write_report, starts=(("start", "prefill"), ("start", "decode", "router"))) as pair:
+    # offload_prompt_only false on decode: llm-d's multi-turn P/D (tests/e2e/test_orchestrators.py)
+    pair.env.update({"DECODE_HOST": "127.0.0.2", "P2PWORKER_SECRET": "e2e-two-machines",
+                     "DECODE_OFFLOAD_PROMPT_ONLY": "0"})
+    with running(pair, on_stop=_write_report, starts=(("start", "prefill"), ("start", "decode", "router")),
+                 before_stop=leave_unfetched_stores) as pair:
         yield pair
+
+
+def leave_unfetched_stores(pair: PD) -> None:
+    """Right before the session's stop: a prefill request whose decode never comes, so the prefill engine stops with
+    stores parked for nobody (and a shared-prefix PD exchange before it).  The stop must still be clean and within
+    vLLM's --shutdown-timeout (running's checks): the tier ends such stores once vLLM drains for shutdown."""
+    from tests.e2e.tiny_model import prompt
+
+    text = prompt(700, seed=9000)
+    pair.complete("prefill", text, max_tokens=1, kv_transfer_params={"remote_decoder": {"kv_request_id": "nobody"}})
+    deadline = time.monotonic() + 10  # the stores are submitted after the request's answer, reported at a step
+    while (parked := pair.metric("prefill", "vllm:kv_offload_p2pworker_jobs_in_flight")) == 0:
+        assert time.monotonic() < deadline, "the prefill engine has no parked store: the stop would not test the drain"
+        time.sleep(0.1)
+    pair.report["parked_at_stop"] = parked

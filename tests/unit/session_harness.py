@@ -169,6 +169,17 @@ class Side:
         if p is not None:
             self.run(p.lease.owner, p.lease.owner.pump(p))
 
+    def done(self, request: str) -> None:
+        """The consumer's request ended: Done to the producer."""
+        self.run(self.session, self.session.done(request))
+
+    def reset(self, reason: str, loads: bool = True) -> None:
+        """The worker's ResetCache: parked stores without a lease end now; ``loads`` also cancels our loads."""
+        for p in self.lot.reset(reason):
+            self.run(p.lease.owner, p.lease.owner.pump(p))
+        if loads and self.session is not None:
+            self.run(self.session, self.session.cancel_loads(reason))
+
     def tick(self) -> None:
         if self.session is not None:
             self.run(self.session, self.session.tick())
@@ -271,6 +282,7 @@ def sample_messages() -> dict[type, m.Message]:
         m.Fetch: m.Fetch("r", 1, [b"k"], 1000),
         m.Offer: m.Offer("r", 1, [b"k"], [1]),
         m.Release: m.Release("r", 1, []),
+        m.Done: m.Done("r"),
         m.Lookup: m.Lookup(1, "r", [b"k"]),
         m.LookupResp: m.LookupResp(1, [True]),
         m.Probe: m.Probe(m.PROTOCOL_VERSION),

@@ -32,8 +32,12 @@ class Reference:
         self.jobs: dict[int, tuple[list[bytes], set[bytes], list[bytes]]] = {}  # job -> (keys, open, moved)
         self.done: dict[int, tuple[bool, frozenset, int, str]] = {}
         self.finished = self.served = False
+        self.unneeded = False  # the consumer said Done: nothing is parked any more
 
-    def store(self, job: int, keys: list[bytes]) -> None:
+    def store(self, job: int, keys: list[bytes], leased: bool = False) -> None:
+        if self.unneeded and not leased:
+            self.done[job] = (True, frozenset(), 0, "the consumer needs nothing more of this request")
+            return
         new = []
         for k in keys:
             if k not in self.rows:
@@ -71,6 +75,12 @@ class Reference:
         self.finished = True
         self._maybe_close()
 
+    def consumer_done(self, leased: bool) -> None:
+        """Done: every open job ends now (success, not asked for), or when the lease ends."""
+        self.unneeded = self.served = True
+        if not leased:
+            self._maybe_close()
+
     def reset(self, leased: bool, reason: str) -> None:
         """vLLM reset its cache: without a lease every open job fails now and the request is forgotten, but for
         having finished (a tombstone); under one, the request is finished (its jobs close when the lease ends)."""
@@ -79,13 +89,14 @@ class Reference:
             return
         for job in list(self.jobs):
             self._close(job, False, reason)
-        self.served = False
+        self.served = self.unneeded  # an unneeded request stays so (a tombstone)
 
     def _maybe_close(self) -> None:
-        if self.finished and self.served:
+        if self.served and (self.finished or self.unneeded):
             for job in list(self.jobs):
                 self._close(job, True, "not requested by the consumer")
-            self.finished = self.served = False  # the lot forgets the request: a later store starts afresh
+            if not self.unneeded:
+                self.finished = self.served = False  # the lot forgets the request: a later store starts afresh
 
 
 def outcomes(events: list) -> dict[int, tuple[bool, frozenset, int, str]]:
@@ -110,8 +121,9 @@ def test_release_and_store_match_the_key_by_key_rules(seed):
             keys = rnd.sample(universe, rnd.randint(1, min(rnd.choice((2, 3, 10)), len(universe))))
             if rnd.random() < 0.2:
                 keys += rnd.sample(keys, 1)  # a key twice in one job: the first copy serves both
+            leased = p is not None and p.lease is not None
             lot.store(job, "r", keys, [next(rows) for _ in keys])
-            ref.store(job, keys)
+            ref.store(job, keys, leased)
         elif act < 0.7 and p.lease is None and p.rows:
             offered = rnd.sample(sorted(p.rows), rnd.randint(1, len(p.rows)))
             lot.bind(p, Lease(step, None, {}, 1e9, 1e9, offered={k: p.rows[k] for k in offered}))
@@ -123,7 +135,10 @@ def test_release_and_store_match_the_key_by_key_rules(seed):
                 read += rnd.sample(universe, 2)
             lot.release(p, read, "consumer did not read it")
             ref.release(offered, set(read), "consumer did not read it")
-        elif act < 0.95:
+        elif act < 0.93:  # the consumer's request ended (Done)
+            lot.consumer_done("r")
+            ref.consumer_done(p.lease is not None)
+        elif act < 0.96:
             lot.request_finished("r")
             if p.lease is None:
                 ref.finish()

@@ -243,6 +243,69 @@ def test_unrequested_keys_are_released_when_the_request_finishes():
     assert b.success and b.keys == (KEYS[0],) and b.reason == "not requested by the consumer"
 
 
+def test_done_from_a_consumer_that_fetched_nothing_releases_the_parked_stores_at_once():
+    """A shared prefix: the decode held those blocks already and never fetched the producer's copies.  Its request's
+    end (Done) ends the producer's store jobs at once (success: nobody asked for them), not park_timeout_s after the
+    producer's request ended; a store that comes after the Done is not parked at all."""
+    p = Pair().handshake()
+    p.b.store(1, "req", KEYS[:2], [20, 21])
+    p.b.finish("req")
+    assert p.b.reporter.open_jobs == 1
+    p.a.done("req")
+    p.deliver()
+    b = jobs(p.b.events())
+    assert b[1].success and b[1].keys == () and b[1].reason == "not requested by the consumer"
+    assert p.b.reporter.open_jobs == 0
+    p.b.store(2, "req", KEYS[2:], [22, 23])
+    b = jobs(p.b.events())
+    assert b[2].success and "needs nothing more" in b[2].reason and p.b.reporter.open_jobs == 0
+    p.advance(61.0)
+    p.b.lot.tick()
+    assert "req" not in p.b.lot.parcels  # the tombstone goes at the reaper's first look
+
+
+def test_done_never_ends_a_store_whose_rows_are_still_leased():
+    """Invariant 7: a Done that overtakes its round's Release (another link, a reconnect) leaves the offered rows
+    pinned; they end with the Release, and the keys nobody fetched with them."""
+    p = Pair().handshake()
+    p.b.store(1, "req", KEYS[:2], [20, 21])
+    p.b.store(2, "req", KEYS[2:], [22, 23])
+    p.a.load(100, "req", KEYS[:2], [0, 1])
+    p.deliver()  # Fetch, then the offer: rows 20, 21 are leased
+    p.b.lot.consumer_done("req")  # the Done arrives before the Release
+    assert p.b.reporter.open_jobs == 2
+    p.pull_all()  # the reads land, the Release goes
+    b = jobs(p.b.events())
+    assert b[1].success and b[1].keys == tuple(KEYS[:2]) and b[2].success and b[2].keys == ()
+    assert p.b.reporter.open_jobs == 0
+
+
+def test_done_before_the_handshake_is_queued_and_sent_once_up():
+    p = Pair()
+    p.b.store(1, "req", KEYS, [20, 21, 22, 23])
+    p.a.done("req")
+    assert p.b.reporter.open_jobs == 1
+    p.handshake()
+    p.deliver()
+    assert p.b.reporter.open_jobs == 0 and jobs(p.b.events())[1].success
+
+
+def test_a_drain_reset_without_loads_leaves_the_consumers_load_running():
+    """vLLM drains for shutdown (ResetCache with loads=False): the producer's unleased parked stores fail at once,
+    while a load in flight on the same worker keeps running (its request still finishes in the drain)."""
+    p = Pair().handshake()
+    p.b.store(1, "other", KEYS, [20, 21, 22, 23])
+    p.a.store(5, "mine", KEYS[:1], [30])
+    p.b.store(2, "req", KEYS[:1], [24])
+    p.a.load(100, "req", KEYS[:1], [0])
+    p.deliver()
+    p.a.reset("vLLM is shutting down", loads=False)
+    a = jobs(p.a.events())
+    assert a[5].success is False and 100 not in a
+    p.pull_all()
+    assert jobs(p.a.events())[100].success
+
+
 def test_consumer_deadline_cancels_waits_for_its_reads_then_reports_and_releases():
     """The load is reported only once every read it posted settled; a read seen done after the deadline
     counts as failed; the Release goes out after the report."""

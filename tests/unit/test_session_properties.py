@@ -54,6 +54,8 @@ rare = [
     st.tuples(st.just("submit_fail"), st.booleans()),
     st.tuples(st.just("answer")),
     st.tuples(st.just("reconnect"), st.sampled_from(["a", "b", "both"])),
+    st.tuples(st.just("done"), st.sampled_from(REQS)),  # the consumer's request ended: Done to the producer
+    st.tuples(st.just("drain"), st.booleans()),  # the producer's vLLM drains (ResetCache; with or without loads)
 ]
 # time and the two sides' timers run separately: a consumer that has not ticked past its deadline yet must
 # still judge a read by it, and a producer's lease may end while the consumer is stalled
@@ -126,6 +128,10 @@ class Model:
                 a.load(j, o[1], o[2], rows)
         elif kind == "finish":
             b.finish(o[1])
+        elif kind == "done":
+            a.done(o[1])
+        elif kind == "drain":
+            b.reset("vLLM is shutting down", loads=o[1])
         elif kind == "lookup":
             a.lookup(self.next_lookup, o[1], "r0")
             self.next_lookup += 1

@@ -1,0 +1,183 @@
+"""End to end: the request shapes llm-d (routing sidecar + EPP) and vLLM's own p2p proxy send, on the main pair.
+
+Both orchestrators were written for vLLM's in-tree p2p tier; each test sends one of their shapes straight to the
+engines (as the sidecar or the proxy would) and compares the answer token for token with one engine answering
+alone.  The pair is the session's (tests/e2e/conftest.py): prefill on 127.0.0.1, decode on 127.0.0.2, one worker
+each; the decode engine runs with ``offload_prompt_only: false`` (llm-d's multi-turn P/D), so its generated KV sits
+in its CPU tier for the next turn.  Every prompt has its own seed (no engine's prefix cache answers for another
+test's prompt).  The stop at the end of the session (``running``) must be clean after all of this traffic: no
+force-kill, nothing left in /dev/shm or /tmp.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.e2e.conftest import BLOCK, _http
+from tests.e2e.test_pd import assert_same, baseline, expected_p2p_tokens
+from tests.e2e.tiny_model import prompt
+
+pytestmark = pytest.mark.timeout(600)
+
+IDLE_S = 2.0  # an engine with no request for this long has stopped stepping (vLLM 0.32 calls no tier then)
+P2P = "vllm:prompt_tokens_cached_by_source_total"
+IN_FLIGHT = "vllm:kv_offload_p2pworker_jobs_in_flight"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm(pd):
+    """One plain request on each engine first: a fresh vLLM CPU engine's first request pays one-time costs (~3 s
+    here) that would be counted against the first pull."""
+    for which in ("prefill", "decode"):
+        pd.complete(which, prompt(300, seed=5900 + (which == "decode")))
+
+
+def p2p_tokens(pd, which: str) -> float:
+    return pd.metric(which, P2P, source="p2p")
+
+
+def source(pd, which: str, rid: str | None = None) -> dict:
+    """A ``remote_kv_source`` entry naming that engine's worker (what llm-d's sidecar injects)."""
+    host = "127.0.0.2" if which == "decode" else "127.0.0.1"
+    port = pd.decode_p2p if which == "decode" else pd.prefill_p2p
+    return {"kv_request_id": rid or f"pull-{uuid.uuid4().hex}", "remote_host": host, "remote_port": port}
+
+
+def timed(fn, *args, **kw):
+    t0 = time.monotonic()
+    out = fn(*args, **kw)
+    return out, time.monotonic() - t0
+
+
+def pull(pd, text: str, src: dict, which: str = "decode"):
+    """One request on ``which`` pulling its prefix from ``src``: (answer, seconds, P2P tokens it counted)."""
+    before = p2p_tokens(pd, which)
+    got, took = timed(pd.complete, which, text, kv_transfer_params={"remote_kv_source": src})
+    return got, took, p2p_tokens(pd, which) - before
+
+
+def test_pull_from_an_idle_source_is_served_not_waited_out(pd):
+    """vLLM's proxy in ``--p2p`` mode and llm-d's aggregated sharing: the prefill engine computes a prompt with no
+    transfer params, sits idle (vLLM 0.32 stops calling its tiers), and the decode engine pulls that prefix with
+    ``remote_kv_source``.  The idle source answers (its engine is woken for the peer's lookup): every full block is
+    pulled, the answer equals one engine's, and the pull costs at most 1 s more than recomputing the same length
+    (before, the source's lookup sat unread until the puller's lookup_timeout_s, 5 s, and it recomputed)."""
+    n = 520
+    text = prompt(n, seed=6000)
+    want = baseline(pd, text)
+    pd.complete("prefill", text, max_tokens=1)  # the source holds the prompt in its CPU tier
+    time.sleep(IDLE_S)
+    got, took, pulled = pull(pd, text, source(pd, "prefill"))
+    assert_same(got, want, "pulled from an idle source")
+    assert pulled == expected_p2p_tokens(n), f"decode pulled {pulled} tokens, want {expected_p2p_tokens(n)}"
+    _, recompute_s = timed(pd.complete, "decode", prompt(n, seed=6001))
+    pd.report["idle_source_pull_s"] = {"pull": round(took, 3), "recompute_same_length": round(recompute_s, 3)}
+    assert took <= recompute_s + 1.0, f"pull from an idle source took {took:.2f} s, recompute {recompute_s:.2f} s"
+
+
+def test_pull_from_a_busy_source_is_served(pd):
+    """The same pull while the source engine generates for another request: served within its steps."""
+    n = 640
+    text = prompt(n, seed=6100)
+    want = baseline(pd, text)
+    pd.complete("prefill", text, max_tokens=1)
+    busy = threading.Thread(target=pd.complete, args=("prefill", prompt(200, seed=6101)),
+                            kwargs={"max_tokens": 300, "ignore_eos": True})
+    busy.start()
+    try:
+        time.sleep(0.5)
+        got, took, pulled = pull(pd, text, source(pd, "prefill"))
+    finally:
+        busy.join(120)
+    assert not busy.is_alive()
+    assert_same(got, want, "pulled from a busy source")
+    assert pulled == expected_p2p_tokens(n)
+    pd.report["busy_source_pull_s"] = round(took, 3)
+
+
+def test_prefill_leg_pulls_its_prefix_and_serves_the_decode(pd):
+    """llm-d's P/D + P2P: the prefill leg carries ``remote_decoder`` AND ``remote_kv_source``.  Here the source is
+    the decode engine, which holds a shared prefix: the prefill engine pulls it (p2p tokens on prefill), computes
+    the rest, and parks every block for the decode; the decode already holds the shared prefix, loads the rest, and
+    answers as one engine would.  The prefix blocks it never fetches are released when its request ends (Done):
+    the prefill engine's open jobs are back to 0 within 1 s of the decode's answer, not after park_timeout_s."""
+    shared = prompt(400, seed=6200)
+    pd.complete("decode", shared, max_tokens=1)  # the decode engine (the source) holds the shared prefix
+    text = shared + " " + prompt(300, seed=6201)
+    n = len(text.split())
+    want = baseline(pd, text)
+    rid = f"pdp2p-{uuid.uuid4().hex}"
+    before_prefill, before_decode = p2p_tokens(pd, "prefill"), p2p_tokens(pd, "decode")
+    pd.complete("prefill", text, max_tokens=1, kv_transfer_params={
+        "remote_decoder": {"kv_request_id": rid}, "remote_kv_source": source(pd, "decode")})
+    pulled = p2p_tokens(pd, "prefill") - before_prefill
+    assert pulled == 400 // BLOCK * BLOCK, f"the prefill leg pulled {pulled} tokens of the shared prefix"
+    got = pd.complete("decode", text, kv_transfer_params={"remote_prefiller": {
+        "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}})
+    ended = time.monotonic()
+    assert_same(got, want, "P/D + P2P request")
+    loaded = p2p_tokens(pd, "decode") - before_decode
+    assert 0 < loaded <= expected_p2p_tokens(n) - 400 // BLOCK * BLOCK, loaded  # the rest, not the shared prefix
+    while pd.metric("prefill", IN_FLIGHT) > 0:
+        assert time.monotonic() - ended < 10, "the prefill engine still holds parked stores nobody will fetch"
+        time.sleep(0.05)
+    released_s = time.monotonic() - ended
+    pd.report["unfetched_released_s"] = round(released_s, 3)
+    assert released_s <= 1.0, f"unfetched parked stores released {released_s:.2f} s after the decode's answer"
+
+
+def test_multi_turn_pd_pulls_the_decodes_generated_kv(pd):
+    """llm-d's multi-turn P/D: turn 1 through PD; the decode engine (offload_prompt_only: false) keeps the KV it
+    generated in its CPU tier; turn 2's prefill leg (``remote_decoder`` + ``remote_kv_source`` naming the decode)
+    pulls that history instead of recomputing it: p2p tokens on the prefill engine beyond what it computed in turn
+    1, and both turns answer as one engine would."""
+    turn1 = prompt(300, seed=6300)
+    rid1 = f"turn1-{uuid.uuid4().hex}"
+    pd.complete("prefill", turn1, max_tokens=1, kv_transfer_params={"remote_decoder": {"kv_request_id": rid1}})
+    body = {"model": "tiny", "prompt": turn1, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "kv_transfer_params": {"remote_prefiller": {
+                "kv_request_id": rid1, "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}}}
+    c = _http(pd.url("decode") + "/v1/completions", body)["choices"][0]
+    history = list(c["prompt_token_ids"]) + list(c["token_ids"])
+    turn2 = history + [int(t) for t in c["prompt_token_ids"][1:41]]  # the next user message: 40 more tokens
+    want = baseline(pd, turn2)
+    rid2 = f"turn2-{uuid.uuid4().hex}"
+    before = p2p_tokens(pd, "prefill")
+    pd.complete("prefill", turn2, max_tokens=1, kv_transfer_params={
+        "remote_decoder": {"kv_request_id": rid2}, "remote_kv_source": source(pd, "decode")})
+    pulled = p2p_tokens(pd, "prefill") - before
+    computed_in_turn1 = len(c["prompt_token_ids"]) // BLOCK * BLOCK
+    assert pulled >= BLOCK, f"turn 2's prefill pulled {pulled} tokens of the decode's history"
+    assert computed_in_turn1 + pulled >= (len(history) - 1) // BLOCK * BLOCK, (computed_in_turn1, pulled)
+    got = pd.complete("decode", turn2, kv_transfer_params={"remote_prefiller": {
+        "kv_request_id": rid2, "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}})
+    assert_same(got, want, "turn 2")
+
+
+def test_concurrent_legs(pd):
+    """llm-d's sidecar in ``offloading`` mode dispatches both legs at once (and vLLM's proxy with
+    ``--decoder-first`` sends the decode leg first): the decode's request reaches its engine before the prefill
+    engine stored anything; it waits for the stores and loads every full block."""
+    n = 900
+    text = prompt(n, seed=6400)
+    want = baseline(pd, text)
+    rid = f"both-{uuid.uuid4().hex}"
+    before = p2p_tokens(pd, "decode")
+    out: dict = {}
+
+    def decode_leg():
+        out["got"] = pd.complete("decode", text, kv_transfer_params={"remote_prefiller": {
+            "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}})
+
+    t = threading.Thread(target=decode_leg)
+    t.start()
+    time.sleep(0.2)  # the decode first
+    pd.complete("prefill", text, max_tokens=1, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
+    t.join(120)
+    assert not t.is_alive() and "got" in out
+    assert_same(out["got"], want, "concurrent legs")
+    assert p2p_tokens(pd, "decode") - before == expected_p2p_tokens(n)

@@ -1,0 +1,145 @@
+"""The tier and the engine core it runs in (vllm_adapter/engine_hook.py), under the real tiering managers.
+
+A stand-in for vLLM's EngineCoreProc constructs the engine, as the real one does: it holds an ``input_queue`` and a
+``shutdown_state`` (vLLM's own enum) and the tier finds it on the stack.  The test plays the engine's idle loop: it
+calls the tier only after a WAKEUP arrives on that queue, and steps while ``has_pending_work`` says so, as vLLM
+0.32's ``_process_input_queue`` does (on 0.33 the same runs with ``tier_poll_interval_s: 0``: no tier-poll thread).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine.core import EngineShutdownState
+
+from tests.vllm.harness import Engine, LookupResult, ReqContext, key, run_until
+
+NO_POLL_THREAD = {"tier_poll_interval_s": 0}  # 0.33: off; 0.32 ignores the key (it has no such thread)
+
+
+class FakeEngineCore:
+    """What the tier reads of vLLM's engine core: its input queue and its shutdown state."""
+
+    def __init__(self, name: str, port: int):
+        self.input_queue: queue.Queue = queue.Queue()
+        self.shutdown_state = EngineShutdownState.RUNNING
+        self.engine = Engine(name, port, engine_extra=NO_POLL_THREAD)  # the tier finds `self` on this stack
+
+    def idle_loop(self, until, timeout_s: float) -> float:
+        """vLLM's idle loop: block on the input queue; on a wake, step while the manager has pending work.  Returns
+        the seconds until ``until()`` held."""
+        t0 = time.monotonic()
+        while not until():
+            left = t0 + timeout_s - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the idle engine was never woken for its peer")
+            try:
+                kind, _ = self.input_queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert kind is EngineCoreRequestType.WAKEUP
+            steps = 0
+            while self.engine.mgr.has_pending_work() and not until():
+                self.engine.step()
+                steps += 1
+                assert steps < 100_000, "has_pending_work never settled"
+                time.sleep(0.001)  # vLLM 0.33 sleeps 1 ms between steps that run no model
+        return time.monotonic() - t0
+
+
+@pytest.fixture
+def source(free_port):
+    core = FakeEngineCore("hooksrc", free_port())
+    yield core
+    core.engine.close()
+
+
+@pytest.fixture
+def puller(free_port):
+    eng = Engine("hookpull", free_port())
+    yield eng
+    eng.close()
+
+
+def test_the_tier_finds_the_engine_core_constructing_it(source):
+    tier = source.engine.tier
+    assert tier._engine is not None and tier._engine.core is source
+    assert tier._waker is not None  # no tier-poll thread in this manager: the waker is on
+
+
+def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller):
+    """The source stored a prefix, then nothing calls it (an idle 0.32 engine).  A peer's lookup wakes it through
+    vLLM's WAKEUP sentinel; one or a few empty steps serve the lookup and the fetch; the peer loads every chunk well
+    within its lookup_timeout_s (5 s).  Idle, with no peer traffic, the waker sends nothing (heartbeats do not wake
+    it: the engine stays blocked)."""
+    ids = [20, 21, 22]
+    owner = source.engine
+    owner.store("own", ids)
+    run_until([owner], owner.idle)
+    time.sleep(2.0)  # idle: heartbeats arrive, unread
+    assert source.input_queue.empty() and owner.tier._waker.wakes == 0, "an idle engine was woken for nothing"
+    host, port = owner.tier.worker_address.split(":")
+    ctx = ReqContext(req_id="pull", kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": "pull-1", "remote_host": host, "remote_port": int(port)}})
+    with puller.lock:
+        puller.mgr.on_new_request(ctx)
+    assert puller.lookup(ctx, ids) == [LookupResult.RETRY] * 3
+    t0 = time.monotonic()
+    answered = []
+
+    def puller_answered() -> bool:
+        puller.step()
+        if puller.lookup(ctx, ids) != [LookupResult.RETRY] * 3:
+            answered.append(time.monotonic() - t0)
+            return True
+        return False
+
+    source.idle_loop(puller_answered, timeout_s=4.0)
+    assert answered[0] < 1.0, f"the idle source answered after {answered[0]:.2f} s"
+    assert puller.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 3
+    puller.step(["pull"])
+    # the fetch: the source's worker offers the rows itself; the source engine reports its store job once woken
+    source.idle_loop(lambda: puller.step() or (puller.idle() and owner.idle()), timeout_s=4.0)
+    puller.check_loaded(ctx, ids)
+    assert owner.tier._waker.wakes >= 1
+
+
+def test_a_drain_for_shutdown_ends_parked_stores_without_a_consumer(source):
+    """vLLM stops in drain mode: it steps while any tier job is open, up to --shutdown-timeout, then kills the
+    engine.  A store parked for a decode that never fetches it ends once the engine core's shutdown_state leaves
+    RUNNING: the manager has no open job within a few steps, so vLLM's drain ends at once."""
+    eng = source.engine
+    eng.store("p", [30, 31], {"remote_decoder": {"kv_request_id": "never-fetched"}})
+    for _ in range(50):
+        eng.step()
+    assert not eng.idle(), "the store should be parked, waiting for its consumer"
+    source.shutdown_state = EngineShutdownState.REQUESTED
+    t0 = time.monotonic()
+    run_until([eng], eng.idle, timeout_s=5.0)
+    assert time.monotonic() - t0 < 1.0
+    assert not eng.mgr.has_pending_work()
+    assert eng.tier.counters()["stores_failed"] >= 1
+
+
+def test_consumer_done_releases_what_the_producer_parked_and_nobody_fetched(free_port):
+    """A PD consumer whose request ends without fetching (it held the blocks already: a shared prefix) tells the
+    producer (ConsumerDone -> Done): the producer's store job ends at once, not park_timeout_s later."""
+    prefill, decode = Engine("donep", free_port()), Engine("doned", free_port())
+    try:
+        prefill.store("p", [40, 41], {"remote_decoder": {"kv_request_id": "shared"}})
+        host, port = prefill.tier.worker_address.split(":")
+        ctx = ReqContext(req_id="d", kv_transfer_params={
+            "remote_prefiller": {"kv_request_id": "shared", "remote_host": host, "remote_port": int(port)}})
+        with decode.lock:
+            decode.mgr.on_new_request(ctx)
+            decode.mgr.on_request_finished(ctx)  # nothing looked up, nothing loaded: the request ended
+        t0 = time.monotonic()
+        run_until([prefill, decode], prefill.idle, timeout_s=10.0)
+        assert time.monotonic() - t0 < 2.0
+        assert prefill.tier.counters()["stores_ok"] >= 1 and prefill.tier.counters()["jobs_in_flight"] == 0
+    finally:
+        prefill.close()
+        decode.close()
