@@ -124,6 +124,32 @@ wait_health() {  # role url
   return 1
 }
 
+# prints the router's /health body; exits 0 only if it answered 200 and lists every configured instance up (200
+# alone says each role has one up; several instances of a role could still be starting)
+ROUTER_READY_PY='
+import json, sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=2) as r:
+        code, body = r.status, r.read()
+except urllib.error.HTTPError as e:
+    code, body = e.code, e.read()
+print(body.decode(errors="replace"))
+h = json.loads(body)
+sys.exit(0 if code == 200 and all(i["state"] == "up" for i in h["prefill"] + h["decode"]) else 1)
+'
+
+wait_router() {  # url: the router is ready once it has every configured instance up (it probes them itself)
+  local url=$1 deadline=$((SECONDS + HEALTH_TIMEOUT_S)) last=""
+  while [ $SECONDS -lt $deadline ]; do
+    alive "$(pidof_role router)" || { show_log router "exited before it was healthy"; return 1; }
+    last=$("$PY" -c "$ROUTER_READY_PY" "$url" 2>/dev/null) && return 0
+    sleep 1
+  done
+  echo "pd.sh: router has not every instance up within ${HEALTH_TIMEOUT_S} s; its last /health: ${last:-no answer}" >&2
+  show_log router "not ready within ${HEALTH_TIMEOUT_S} s"
+  return 1
+}
+
 remove_rpc_dir() {  # role: the engine's ipc socket directory (start_engine), once nothing of it runs
   local f="$RUN_DIR/$1.rpc_dir" dir
   [ -f "$f" ] || return 0
@@ -224,7 +250,7 @@ cmd_start() {  # [role ...]: prefill, decode, router (default: all three, on thi
     case "$role" in
       prefill) wait_health prefill "http://$PREFILL_HOST:$PREFILL_HTTP/health" || { ok=0; break; } ;;
       decode) wait_health decode "http://$DECODE_HOST:$DECODE_HTTP/health" || { ok=0; break; } ;;
-      router) wait_health router "http://$ROUTER_HOST:$ROUTER_PORT/health" || { ok=0; break; } ;;
+      router) wait_router "http://$ROUTER_HOST:$ROUTER_PORT/health" || { ok=0; break; } ;;
     esac
   done
   if [ $ok = 1 ]; then

@@ -1,4 +1,4 @@
-"""The router's Prometheus series (README "PD router")."""
+"""The router's Prometheus series (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ class RouterMetrics:
                                    registry=r)
         self.cut = Counter(p + "responses_cut", "Answers cut because the instance broke after its headers went out",
                            ["role", "instance"], registry=r)
+        # reason: how the last prefill try failed; "unreachable": no prefill instance could be reached at all
+        self.recomputes = Counter(p + "recomputes", "Requests whose prompt decode computed because no prefill "
+                                  "served it", ["reason"], registry=r)
+        for reason in Reason:
+            self.recomputes.labels(reason.value)
 
     def prime(self, instances: list[Instance]) -> None:
         """Create every per-instance series at its start value, so a dashboard reads 0, not "no data"."""
@@ -42,3 +47,12 @@ class RouterMetrics:
             if i.role is Role.PREFILL:
                 for reason in Reason:
                     self.prefill_failures.labels(i.name, reason.value)
+
+    def forget(self, i: Instance) -> None:
+        """Drop an instance's series (an ad-hoc prefill no longer remembered): their number stays bounded."""
+        labels = (i.role.value, i.name)
+        for series in (self.in_flight, self.up, self.latency, self.cut):
+            series.remove(*labels)
+        for reason in Reason:
+            self.upstream_errors.remove(*labels, reason.value)
+            self.prefill_failures.remove(i.name, reason.value)

@@ -3,16 +3,17 @@
 Each instance (a prefill or decode `vllm serve`) is UP or DOWN.  A failure of the connection itself (refused, not
 connected within the connect timeout, reset or closed mid-answer) takes it DOWN at once: the process or its host is
 gone.  A slower kind of trouble (HTTP 5xx, a read timeout: one request may be at fault) is an ERROR; only
-`ERRORS_TO_DOWN` of them in a row take it down.  A request answered, or a health round passed (its `/health`
+`ERRORS_TO_DOWN` of them in a row take it down.  A request answered, or a health probe passed (its `/health`
 answered 200 and, for a prefill instance, its p2pworker's control port accepted a TCP connection), is OK and
 brings a DOWN instance back.  A client's mistake (HTTP 4xx) is OK too: the instance answered.  The moves are the
-table `MOVES`; the tests read it.
+table `MOVES`; the tests read it.  A DOWN instance is probed again after `Backoff` delays (short at first: a
+blip should not cost minutes of recomputed prompts), besides the periodic health round.
 
 Picking: the UP instance with the fewest requests in flight; ties go round-robin, so an idle pool spreads requests
-instead of sending every one to the first instance.  With no instance UP, a pool with `fallback_to_down` (decode:
-without it the client gets no answer at all) still returns the DOWN instance whose last failure is oldest; the
-prefill pool returns None at once, and decode recomputes (a dead prefill host would cost every request the connect
-timeout).
+instead of sending every one to the first instance.  With no UP instance left to try, the DOWN instance whose last
+failure is oldest is returned: the router's view may be stale, and one real attempt is worth more than an answer
+without the instance (decode: no answer at all; prefill: a recomputed prompt).  None only when every instance was
+tried.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Instance:
     failed_at: float = 0.0  # caller's clock; orders DOWN instances for the no-one-is-up fallback
     worker_reachable: bool | None = None  # prefill only: last health round's TCP check of the worker port
     errors_in_row: int = 0  # ERROR outcomes since the last OK
+    ad_hoc: bool = False  # prefill named by a request's x-prefiller-host-port, not configured: never health-checked
 
     @property
     def name(self) -> str:
@@ -90,14 +92,30 @@ class Instance:
 
 
 @dataclass
+class Backoff:
+    """Delays between the re-probes of one DOWN instance: `first_s`, doubling, at most `max_s`."""
+
+    first_s: float
+    max_s: float
+    _next_s: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._next_s = min(self.first_s, self.max_s)
+
+    def next(self) -> float:
+        delay, self._next_s = self._next_s, min(self._next_s * 2, self.max_s)
+        return delay
+
+
+@dataclass
 class Pool:
     instances: list[Instance]
     policy: Policy = Policy.LEAST_IN_FLIGHT
-    fallback_to_down: bool = True  # with none UP, still pick a DOWN one (decode); else None (prefill: recompute)
     _next: int = field(default=0, repr=False)  # round-robin cursor
 
     def pick(self, exclude: tuple[Instance, ...] = ()) -> Instance | None:
-        """The instance for the next request, or None when every instance is excluded."""
+        """The instance for the next request: UP ones first, then DOWN ones (oldest failure first); None when
+        every instance is excluded."""
         n = len(self.instances)
         start, self._next = self._next, (self._next + 1) % max(n, 1)
         order = [self.instances[(start + i) % n] for i in range(n)]  # rotated: ties go round-robin
@@ -106,7 +124,7 @@ class Pool:
             return None
         up = [i for i in candidates if i.state is InstanceState.UP]
         if not up:
-            return min(candidates, key=lambda i: i.failed_at) if self.fallback_to_down else None
+            return min(candidates, key=lambda i: i.failed_at)
         if self.policy is Policy.ROUND_ROBIN:
             return up[0]
         return min(up, key=lambda i: i.in_flight)  # min keeps the first of equals: the rotation breaks ties

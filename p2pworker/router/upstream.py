@@ -10,12 +10,14 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from p2pworker.router.pool import Outcome
+from p2pworker.router.routing import ROUTING_HEADERS
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "proxy-connection"})
 # the body is re-encoded as plain JSON (its length changes; aiohttp already undid any Content-Encoding), the
-# upstream is another host, and the router itself answered any Expect: 100-continue
-NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"}
+# upstream is another host, the router itself answered any Expect: 100-continue, and the routing headers were
+# asked of the router (an engine would only see where else it could have gone)
+NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"} | ROUTING_HEADERS
 # aiohttp frames the relayed body itself (chunked) and writes its own Date and Server
 NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length", "date", "server"}
 

@@ -1,4 +1,4 @@
-"""The PD router (`p2pworker router`) as a real process in front of fake engines that are real processes too
+"""The router (`p2pworker router`) as a real process in front of fake engines that are real processes too
 (tests/fakes/engine.py), so a test can kill one mid-request."""
 
 from __future__ import annotations
@@ -9,20 +9,32 @@ import gzip
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import struct
+import subprocess
+import sys
+import threading
 import time
 import types
+import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
-from p2pworker.router.pool import (ERRORS_TO_DOWN, MOVES, Instance, InstanceState, Outcome, Policy, Pool, Role,
-                                   parse_instance)
+from p2pworker.control.base import DEFAULT_PORT
+from p2pworker.router import server
+from p2pworker.router.pool import (ERRORS_TO_DOWN, MOVES, Backoff, Instance, InstanceState, Outcome, Policy, Pool,
+                                   Role, parse_instance)
+from p2pworker.router.routing import HostPort, Routing, routing_of
 from p2pworker.router.upstream import Reason, classify
-from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router
+from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router, _wait_port
 from tests.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,6 +58,10 @@ def fleet(tmp_path):
             made.append(r := Router(tmp_path, prefill, decode, *flags))
             return r
 
+        def module_router(self, prefill: list[str], decode: list[str], *flags: str) -> Router:
+            made.append(r := _ModuleRouter(tmp_path, prefill, decode, *flags))
+            return r
+
     yield Fleet()
     codes = []
     for thing in reversed(made):
@@ -57,6 +73,26 @@ def fleet(tmp_path):
             thing.close()
     for code, log in codes:
         assert code == 0, f"router exit {code} on SIGTERM:\n{log}"
+
+
+class _ModuleRouter(Router):
+    """The router's own command (p2pworker/router/cli.py, whose --mode aggregated these tests need) run as
+    `python -m p2pworker.router`."""
+
+    def __init__(self, tmp: Path, prefill: list[str], decode: list[str], *flags: str):
+        self.port = free_port()
+        self.log = tmp / f"router-{self.port}.log"
+        args = [sys.executable, "-m", "p2pworker.router", "--port", str(self.port)]
+        for p in prefill:
+            args += ["--prefill", p]
+        for d in decode:
+            args += ["--decode", d]
+        self.proc = subprocess.Popen(args + list(flags), stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+        _wait_port(self.port, self.proc, "router", self.log)
+
+
+def _lower(headers: dict) -> dict:
+    return {k.lower(): v for k, v in headers.items()}
 
 
 def _prefill(e: FakeEngine, w: FakeWorkerPort) -> str:
@@ -123,11 +159,48 @@ def test_pool_picks_least_in_flight_rotates_ties_and_falls_back_to_the_oldest_fa
     a.record(Outcome.FAILED, now=7.0)
     c.record(Outcome.FAILED, now=6.0)
     assert pool.pick() is b  # none up: the one that failed longest ago
-    assert pool.pick(exclude=(a, b, c)) is None
-    assert Pool([a, b, c], fallback_to_down=False).pick() is None  # prefill: recompute rather than wait
+    assert pool.pick(exclude=(a, b, c)) is None  # None only once every instance was tried
+    # prefill too: a down instance gets a real attempt before decode recomputes
+    pre = Pool([Instance(Role.PREFILL, "http://h:4"), Instance(Role.PREFILL, "http://h:5")])
+    for i, inst in enumerate(pre.instances):
+        inst.record(Outcome.FAILED, now=9.0 - i)
+    assert [pre.pick(exclude=()).url, pre.pick(exclude=(pre.instances[1],)).url] == ["http://h:5", "http://h:4"]
     rr = Pool([Instance(Role.DECODE, "http://h:1", in_flight=9), Instance(Role.DECODE, "http://h:2")],
               Policy.ROUND_ROBIN)
     assert [rr.pick().url for _ in range(2)] == ["http://h:1", "http://h:2"]  # in-flight counts ignored
+
+
+def test_reprobe_backoff_doubles_from_its_first_delay_up_to_the_health_interval():
+    b = Backoff(0.2, 5.0)
+    assert [b.next() for _ in range(7)] == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0])
+    assert Backoff(0.2, 0.1).next() == 0.1  # a health interval shorter than the first delay bounds it too
+
+
+def test_routing_headers_parse_as_llm_d_sends_them_and_malformed_ones_are_refused():
+    r = routing_of(CIMultiDict([("X-Prefiller-Host-Port", "10.0.0.5:8100, Pre:8101"),
+                                ("x-prefiller-host-port", "[::1]:8102"), ("x-prefiller-host-port", "pre:8101"),
+                                ("X-KV-Cache-Source-Host-Port", " peer:5711 ")]))
+    assert r.prefillers == (HostPort("10.0.0.5", 8100), HostPort("pre", 8101), HostPort("::1", 8102))  # deduped
+    assert str(r.prefillers[2]) == "[::1]:8102" and r.kv_source == HostPort("peer", 5711)
+    assert routing_of(CIMultiDict()) == Routing()
+    for bad in ("pre", "pre:", "pre:0", "pre:70000", "pre:x", "http://pre:1", "pre:1/v1", "u@pre:1", ":1"):
+        with pytest.raises(ValueError, match="x-prefiller-host-port"):
+            routing_of(CIMultiDict({"x-prefiller-host-port": bad}))
+    with pytest.raises(ValueError, match="one HOST:PORT"):
+        routing_of(CIMultiDict({"x-kv-cache-source-host-port": "a:1,b:2"}))
+
+
+def test_ad_hoc_prefill_instances_are_bounded_and_the_forgotten_ones_leave_metrics():
+    app = server.Router(server.RouterConfig(prefill=("http://pre:8100",), decode=("http://dec:8200",)))
+    assert app._named_prefill(HostPort("pre", 8100)) is app.prefill.instances[0]  # configured: matched
+    first = app._named_prefill(HostPort("10.0.0.1", 8100))
+    assert first.ad_hoc and first.worker == ("10.0.0.1", DEFAULT_PORT)
+    assert app._named_prefill(HostPort("10.0.0.1", 8100)) is first  # remembered
+    for i in range(server.AD_HOC_MAX):
+        app._named_prefill(HostPort("10.0.1.1", 9000 + i))
+    assert len(app.ad_hoc) == server.AD_HOC_MAX and "10.0.0.1:8100" not in app.ad_hoc  # the least recent went
+    exposed = {s.labels.get("instance") for m in app.metrics.registry.collect() for s in m.samples}
+    assert "10.0.0.1:8100" not in exposed and "10.0.1.1:9000" in exposed
 
 
 def test_instance_specs():
@@ -246,7 +319,7 @@ def test_least_in_flight_steers_around_a_busy_instance(fleet):
 
 # ---- failures -----------------------------------------------------------------------------------------------------
 
-def test_failing_prefill_recomputes_is_taken_out_after_errors_in_a_row_and_the_health_round_brings_it_back(fleet):
+def test_failing_prefill_recomputes_is_taken_out_after_errors_in_a_row_and_a_probe_brings_it_back(fleet):
     pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
     r = fleet.router([_prefill(pre, w)], [dec.url], "--health-interval", "0.5")
     pre.mode(status=500, health=503)  # failing requests, and its /health says so: it stays out
@@ -254,18 +327,20 @@ def test_failing_prefill_recomputes_is_taken_out_after_errors_in_a_row_and_the_h
         status, _, body = r.request("POST", "/v1/completions", {"prompt": "p"})
         assert status == 200 and "kv_transfer_params" not in dec.seen()[i]["body"]  # decode recomputed
         assert r.health()[1]["prefill"][0]["state"] == ("down" if i == ERRORS_TO_DOWN - 1 else "up")
-    status, h = r.health()
-    assert status == 200 and h["status"] == "degraded" and "HTTP 500" in h["prefill"][0]["last_error"]
+    status, h = r.health()  # its only prefill is down: not healthy, though it still answers (by recomputing)
+    assert status == 503 and h["status"] == "unavailable" and h["no_instance_up"] == ["prefill"], h
+    assert "HTTP 50" in h["prefill"][0]["last_error"]  # its 500s, or the 503 of a probe since
     assert r.metric("p2pworker_router_prefill_failures_total", instance=pre.url[7:],
                     reason="http_5xx") == ERRORS_TO_DOWN
-    t0 = time.monotonic()  # down: the next request recomputes without trying it
+    t0 = time.monotonic()  # down: the next request still tries it once (a real attempt), then recomputes
     assert r.request("POST", "/v1/completions", {"prompt": "p"})[0] == 200
-    assert len(pre.seen()) == ERRORS_TO_DOWN and time.monotonic() - t0 < 1.0
+    assert len(pre.seen()) == ERRORS_TO_DOWN + 1 and time.monotonic() - t0 < 1.0
+    assert r.metric("p2pworker_router_recomputes_total", reason="http_5xx") == ERRORS_TO_DOWN + 1
     pre.mode(status=200, health=200)
-    _wait(lambda: r.health()[1]["prefill"][0]["state"] == "up", what="prefill back after a health round")
+    _wait(lambda: r.health()[1]["prefill"][0]["state"] == "up", what="prefill back after a probe")
     r.request("POST", "/v1/completions", {"prompt": "p"})
     assert "remote_prefiller" in dec.seen()[-1]["body"]["kv_transfer_params"]
-    assert "health round passed" in r.log.read_text()
+    assert re.search(r"back: its (health round|re-probe) passed", r.log.read_text())
 
 
 def test_a_host_that_does_not_accept_is_skipped_after_the_connect_timeout(fleet):
@@ -487,6 +562,199 @@ def test_decode_dying_mid_stream_cuts_the_client_response(fleet):
     labels = {"role": "decode", "instance": dec.url[7:]}
     assert r.metric("p2pworker_router_responses_cut_total", **labels) == 1
     assert r.metric("p2pworker_router_upstream_errors_total", **labels, reason="disconnected") == 1
+
+
+# ---- llm-d's routing headers -------------------------------------------------------------------------------------
+
+def test_prefiller_header_picks_that_configured_prefill_and_neither_routing_header_reaches_an_engine(fleet):
+    pres = [fleet.engine(f"p{i}") for i in (1, 2)]
+    workers = [fleet.worker() for _ in pres]
+    dec = fleet.engine("d1")
+    r = fleet.router([_prefill(p, w) for p, w in zip(pres, workers)], [dec.url])
+    for i in range(4):  # without the header these would alternate
+        status, _, body = r.request("POST", "/v1/completions", {"prompt": f"q{i}"},
+                                    headers={"X-Prefiller-Host-Port": f"127.0.0.1:{pres[1].port}"})
+        assert status == 200, body
+    assert (len(pres[0].seen()), len(pres[1].seen())) == (0, 4)
+    for d in dec.seen():
+        assert d["body"]["kv_transfer_params"]["remote_prefiller"]["remote_port"] == workers[1].port
+    for seen in pres[1].seen() + dec.seen():
+        assert not {"x-prefiller-host-port", "x-kv-cache-source-host-port"} & set(_lower(seen["headers"]))
+    status, _, body = r.request("POST", "/v1/completions", {"prompt": "x"},
+                                headers={"x-prefiller-host-port": "no-port"})
+    assert status == 400 and b"x-prefiller-host-port" in body and len(dec.seen()) == 4  # refused, not ignored
+
+
+def test_prefiller_header_naming_an_unconfigured_instance_uses_it_ad_hoc_and_an_unreachable_one_is_skipped(fleet):
+    configured, w = fleet.engine("p1"), fleet.worker()
+    other, dec = fleet.engine("p2"), fleet.engine("d1")
+    r = fleet.router([_prefill(configured, w)], [dec.url])
+    status, _, body = r.request("POST", "/v1/completions", {"prompt": "q"},
+                                headers={"x-prefiller-host-port": f"127.0.0.1:{other.port}"})
+    assert status == 200, body
+    assert (len(configured.seen()), len(other.seen())) == (0, 1)
+    (p,), (d,) = other.seen(), dec.seen()
+    kv_id = p["body"]["kv_transfer_params"]["remote_decoder"]["kv_request_id"]
+    # its worker where a --prefill without worker= would have it: the default port on its host
+    assert d["body"]["kv_transfer_params"] == {"remote_prefiller": {
+        "kv_request_id": kv_id, "remote_host": "127.0.0.1", "remote_port": DEFAULT_PORT}}
+    assert f"prefill 127.0.0.1:{other.port} (named by a request, not configured) used ad hoc" in r.log.read_text()
+    status, h = r.health()
+    assert status == 200 and [i["url"] for i in h["prefill"]] == [configured.url]  # not a configured instance
+    assert [i["url"] for i in h["ad_hoc_prefill"]] == [other.url]
+    # one that cannot be reached: nothing was sent, the configured prefill serves it
+    status, _, _ = r.request("POST", "/v1/completions", {"prompt": "q"},
+                             headers={"x-prefiller-host-port": f"127.0.0.1:{free_port()}"})
+    assert status == 200 and len(configured.seen()) == 1
+    assert dec.seen()[-1]["body"]["kv_transfer_params"]["remote_prefiller"]["remote_port"] == w.port
+
+
+def test_kv_source_header_goes_to_the_leg_that_computes_the_prompt(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    r = fleet.router([_prefill(pre, w)], [dec.url])
+    source = {"x-kv-cache-source-host-port": "10.9.9.9:5999"}
+    assert r.request("POST", "/v1/completions", {"prompt": "turn 2"}, headers=source)[0] == 200
+    (p,), (d,) = pre.seen(), dec.seen()
+    kv_id = p["body"]["kv_transfer_params"]["remote_decoder"]["kv_request_id"]
+    # the prefill pulls its prefix from the source, computes the rest and serves the decode: both entries
+    assert p["body"]["kv_transfer_params"] == {
+        "remote_decoder": {"kv_request_id": kv_id},
+        "remote_kv_source": {"kv_request_id": f"{kv_id}-src", "remote_host": "10.9.9.9", "remote_port": 5999}}
+    assert d["body"]["kv_transfer_params"] == {"remote_prefiller": {
+        "kv_request_id": kv_id, "remote_host": "127.0.0.1", "remote_port": w.port}}
+    for seen in (p, d):
+        assert "x-kv-cache-source-host-port" not in _lower(seen["headers"])
+    pre.mode(status=500)  # no prefill now: decode computes the prompt, so decode pulls from the source
+    assert r.request("POST", "/v1/completions", {"prompt": "turn 3"}, headers=source)[0] == 200
+    src = dec.seen()[-1]["body"]["kv_transfer_params"]["remote_kv_source"]
+    assert (src["remote_host"], src["remote_port"]) == ("10.9.9.9", 5999)
+    assert dec.seen()[-1]["body"]["kv_transfer_params"].keys() == {"remote_kv_source"}
+    assert r.request("POST", "/v1/completions", {"prompt": "x"},
+                     headers={"x-kv-cache-source-host-port": "a:1, b:2"})[0] == 400
+
+
+# ---- aggregated mode ----------------------------------------------------------------------------------------------
+
+def test_aggregated_mode_sends_each_request_to_one_instance_unchanged_but_for_the_kv_source(fleet):
+    decs = [fleet.engine(f"d{i}") for i in (1, 2)]
+    r = fleet.module_router([], [d.url for d in decs], "--mode", "aggregated")
+    status, h = r.health()
+    assert (status, h["status"], h["mode"], h["prefill"]) == (200, "ok", "aggregated", [])
+    sent = {"model": "tiny", "prompt": "whole", "max_tokens": 7, "kv_transfer_params": {"client": "own"}}
+    for _ in range(2):
+        status, _, body = r.request("POST", "/v1/completions", sent)
+        assert status == 200, body
+    assert [len(d.seen()) for d in decs] == [1, 1]  # one instance each, spread
+    assert [d.seen()[0]["body"] for d in decs] == [sent, sent]  # exactly as sent
+    status, _, _ = r.request("POST", "/v1/completions", sent, headers={"x-kv-cache-source-host-port": "peer:5711"})
+    (got,) = [d.seen()[-1] for d in decs if len(d.seen()) == 2]
+    src = got["body"].pop("kv_transfer_params")["remote_kv_source"]
+    assert got["body"] == {k: v for k, v in sent.items() if k != "kv_transfer_params"}
+    assert (src["remote_host"], src["remote_port"]) == ("peer", 5711) and src["kv_request_id"].startswith("p2pw-")
+    assert "x-kv-cache-source-host-port" not in _lower(got["headers"])
+    # a request that names a prefill instance is prefilled there (PD for that request)
+    pre = fleet.engine("p1")
+    status, _, _ = r.request("POST", "/v1/completions", sent, headers={"x-prefiller-host-port": pre.url[7:]})
+    assert status == 200 and pre.seen()[0]["body"]["max_tokens"] == 1
+    assert sum(len(d.seen()) for d in decs) == 4
+    assert r.metric("p2pworker_router_recomputes_total", reason="unreachable") == 0
+
+
+def test_pd_mode_needs_a_prefill_and_aggregated_mode_takes_none():
+    dec = f"http://127.0.0.1:{free_port()}"
+    for flags, says in ((["--decode", dec], "PD mode needs at least one --prefill"),
+                        (["--mode", "aggregated", "--prefill", dec, "--decode", "http://127.0.0.1:1"],
+                         "aggregated mode takes no --prefill")):
+        out = subprocess.run([sys.executable, "-m", "p2pworker.router", "--port", str(free_port()), *flags],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and says in out.stderr, out.stderr
+
+
+# ---- never recompute silently -------------------------------------------------------------------------------------
+
+def test_a_down_instance_is_reprobed_well_before_the_next_health_round(fleet):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    pre.mode(health=503)  # down from the router's first health round on
+    r = fleet.router([_prefill(pre, w)], [dec.url], "--health-interval", "60")
+    assert r.health()[1]["prefill"][0]["state"] == "down"
+    pre.mode(health=200)
+    t0 = time.monotonic()
+    _wait(lambda: r.health()[1]["prefill"][0]["state"] == "up", 5.0, "prefill back by a re-probe")
+    assert time.monotonic() - t0 < 5.0  # the backoff starts at 0.2 s: the next health round is 60 s away
+    assert "prefill 127.0.0.1:%d back: its re-probe passed" % pre.port in r.log.read_text()
+
+
+def test_with_no_prefill_up_each_configured_prefill_is_tried_once_before_decode_recomputes(fleet):
+    pres = [fleet.engine(f"p{i}") for i in (1, 2)]
+    workers = [fleet.worker() for _ in pres]
+    dec = fleet.engine("d1")
+    for p in pres:
+        p.mode(status=500, health=503)  # both down from the first health round, and staying down
+    r = fleet.router([_prefill(p, w) for p, w in zip(pres, workers)], [dec.url], "--health-interval", "60")
+    assert [i["state"] for i in r.health()[1]["prefill"]] == ["down", "down"]
+    assert r.request("POST", "/v1/completions", {"prompt": "q"})[0] == 200
+    assert [len(p.seen()) for p in pres] == [1, 1]  # a real attempt on each, once
+    assert "kv_transfer_params" not in dec.seen()[0]["body"]
+    assert r.metric("p2pworker_router_recomputes_total", reason="http_5xx") == 1
+    assert re.search(r"WARNING p2pworker\.router: decode recomputes the prompt of \S+, reason http_5xx",
+                     r.log.read_text())
+    pres[1].mode(status=200)  # answers again, though its /health still keeps it down: the attempt finds it
+    assert r.request("POST", "/v1/completions", {"prompt": "q"})[0] == 200
+    assert dec.seen()[1]["body"]["kv_transfer_params"]["remote_prefiller"]["remote_port"] == workers[1].port
+    assert r.metric("p2pworker_router_recomputes_total", reason="http_5xx") == 1  # not recomputed
+
+
+def test_health_is_503_naming_the_role_without_an_instance_up_and_a_dead_worker_costs_no_prefill(fleet):
+    pre, dec = fleet.engine("p1"), fleet.engine("d1")
+    worker_port = free_port()  # nothing listens there yet
+    r = fleet.router([f"{pre.url},worker=127.0.0.1:{worker_port}"], [dec.url], "--health-interval", "60")
+    status, h = r.health()
+    assert (status, h["status"], h["no_instance_up"]) == (503, "unavailable", ["prefill"]), h
+    # tried (it is the only one), but its worker is checked first: a KV decode could not fetch is not computed
+    assert r.request("POST", "/v1/completions", {"prompt": "q"})[0] == 200
+    assert pre.seen() == [] and "kv_transfer_params" not in dec.seen()[0]["body"]
+    assert r.metric("p2pworker_router_recomputes_total", reason="unreachable") == 1
+    assert re.search(r"WARNING p2pworker\.router: decode recomputes .* reason unreachable: no prefill instance "
+                     r"reachable", r.log.read_text())
+    worker = socket.create_server(("127.0.0.1", worker_port))
+    try:
+        _wait(lambda: r.health()[0] == 200, 5.0, "healthy once the worker listens (re-probed)")
+        assert (h := r.health()[1])["status"] == "ok" and h["no_instance_up"] == [], h
+    finally:
+        worker.close()
+
+
+# ---- scripts/pd.sh ------------------------------------------------------------------------------------------------
+
+def test_pd_sh_start_router_returns_once_the_router_has_every_instance_up_and_says_which_is_not(fleet, tmp_path):
+    pre, dec, w = fleet.engine("p1"), fleet.engine("d1"), fleet.worker()
+    port = free_port()
+    env = {**os.environ, "VENV": str(Path(sys.executable).parents[1]), "RUN_DIR": str(tmp_path / "pd"),
+           "P2PWORKER_SECRET": "0" * 64, "PREFILL_HTTP": str(pre.port), "PREFILL_P2P": str(w.port),
+           "DECODE_HTTP": str(dec.port), "ROUTER_PORT": str(port), "HEALTH_TIMEOUT_S": "3"}
+
+    def pd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "scripts" / "pd.sh"), *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    pre.mode(health=503)
+    try:  # never ready: start fails, names what is down and stops the router
+        out = pd("start", "router")
+        assert out.returncode != 0 and '"no_instance_up": ["prefill"]' in out.stderr, out.stderr
+        assert not (tmp_path / "pd" / "router.pid").exists()
+        env["HEALTH_TIMEOUT_S"] = "30"
+        ready = threading.Timer(2.0, pre.mode, kwargs={"health": 200})  # the prefill comes up while pd.sh waits
+        ready.start()
+        t0 = time.monotonic()
+        out = pd("start", "router")
+        took = time.monotonic() - t0
+        ready.join()
+        assert out.returncode == 0, out.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            h = json.loads(resp.read())
+        assert took > 1.5 and [i["state"] for i in h["prefill"] + h["decode"]] == ["up", "up"], (took, h)
+    finally:
+        assert pd("stop").returncode == 0
 
 
 # ---- load ---------------------------------------------------------------------------------------------------------
