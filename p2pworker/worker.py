@@ -735,15 +735,7 @@ class Worker:
                 # The control transport gave up on it (the peer rejected us): drop it; after a backoff the next
                 # command opens a fresh link (the peer may have been fixed and restarted meanwhile).
                 why = lk.reason if lk is not None else "link gone"
-                self.out_links.pop(key, None)
-                self._link_addr.pop(link, None)
-                self._was_up.discard(link)
-                self.ctl.disconnect(link)
-                s = self.sessions.get(link)
-                if s is not None:
-                    self._run(None, s, s.close(f"control link failed: {why}"))
-                    self._retire(s)
-                self._backoff(key, f"control link failed: {why}")
+                self._forget_link(link, key, f"control link failed: {why}", f"control link failed: {why}")
                 return None, f"peer {address}: control link failed ({why})"
             if lk.state is not LinkState.UP and link in self._was_up:
                 # Fail fast: a Fetch queued now would reach whatever process answers next on that address (a
@@ -768,6 +760,19 @@ class Worker:
         if s is None:
             s = self.sessions[link] = self._new_session(link, None)
         return s, ""
+
+    def _forget_link(self, link: str, key: str, close_reason: str, backoff_reason: str) -> None:
+        """Drop an outbound link the transport gave up on (or that never came up): its session closes (what waits on
+        it fails), and the next command for ``key`` opens a fresh link only after the backoff."""
+        self.out_links.pop(key, None)
+        self._link_addr.pop(link, None)
+        self._was_up.discard(link)
+        self.ctl.disconnect(link)
+        s = self.sessions.get(link)
+        if s is not None:
+            self._run(None, s, s.close(close_reason))
+            self._retire(s)
+        self._backoff(key, backoff_reason)
 
     def _backoff(self, key: str, why: str) -> None:
         """No new link to ``key`` before a delay that doubles per failure (up to RECONNECT_MAX_S), starting afresh
@@ -995,14 +1000,7 @@ class Worker:
                 self._unreachable_logged.clear()
             self._unreachable_logged.add(key)
             log.warning("peer %s unreachable: %s; pulls from it recompute (retried after a backoff)", key, reason)
-        self.out_links.pop(key, None)
-        self._link_addr.pop(link, None)
-        self.ctl.disconnect(link)
-        s = self.sessions.get(link)
-        if s is not None:
-            self._run(None, s, s.close(f"peer {key} unreachable: {reason}"))
-            self._retire(s)
-        self._backoff(key, f"unreachable: {reason}")
+        self._forget_link(link, key, f"peer {key} unreachable: {reason}", f"unreachable: {reason}")
 
     def _drain_lane(self, link: str, s: Session) -> None:
         """Deliver the frames ``s``'s lane holds now (its end, if it ended, is the caller's to handle).  Writes no

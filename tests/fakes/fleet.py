@@ -81,10 +81,12 @@ class FakeWorkerPort:
 
 
 class Router:
+    COMMAND = [str(BIN), "router"]  # the console script
+
     def __init__(self, tmp: Path, prefill: list[str], decode: list[str], *flags: str):
         self.port = free_port()
         self.log = tmp / f"router-{self.port}.log"
-        args = [str(BIN), "router", "--port", str(self.port)]
+        args = [*self.COMMAND, "--port", str(self.port)]
         for p in prefill:
             args += ["--prefill", p]
         for d in decode:

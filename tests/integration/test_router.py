@@ -31,7 +31,7 @@ from p2pworker.router.pool import (ERRORS_TO_DOWN, MOVES, Backoff, Instance, Ins
                                    Role, parse_instance)
 from p2pworker.router.routing import HostPort, Routing, routing_of
 from p2pworker.router.upstream import Reason, classify
-from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router, _wait_port
+from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,19 +76,9 @@ def fleet(tmp_path):
 
 
 class _ModuleRouter(Router):
-    """The router's own command (p2pworker/router/cli.py, whose --mode aggregated these tests need) run as
-    `python -m p2pworker.router`."""
+    """The same router run as `python -m p2pworker.router` (p2pworker/router/__main__.py)."""
 
-    def __init__(self, tmp: Path, prefill: list[str], decode: list[str], *flags: str):
-        self.port = free_port()
-        self.log = tmp / f"router-{self.port}.log"
-        args = [sys.executable, "-m", "p2pworker.router", "--port", str(self.port)]
-        for p in prefill:
-            args += ["--prefill", p]
-        for d in decode:
-            args += ["--decode", d]
-        self.proc = subprocess.Popen(args + list(flags), stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
-        _wait_port(self.port, self.proc, "router", self.log)
+    COMMAND = [sys.executable, "-m", "p2pworker.router"]
 
 
 def _lower(headers: dict) -> dict:
