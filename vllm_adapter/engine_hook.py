@@ -66,6 +66,10 @@ class EngineCore:
 
         self.core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
+    def aborting(self) -> bool:
+        """vLLM stops in abort mode (``--shutdown-timeout 0``): it aborted every request instead of draining."""
+        return getattr(getattr(self.core, "vllm_config", None), "shutdown_timeout", None) == 0
+
     def stopping(self) -> bool:
         """vLLM was asked to shut down (SIGTERM/SIGINT): it drains, then tears the engine down."""
         state = getattr(self.core, "shutdown_state", None)
@@ -102,6 +106,7 @@ class IdleWaker:
         self._ring: Ring | None = None
         self._seen = 0  # slots below this were looked at (heartbeats only, or a wake was sent for them)
         self._stop = False
+        self._wanted = False  # retarget/close waits for the lock: the thread must not start a sleep holding it
         self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wakes = 0
         self._thread = threading.Thread(target=self._run, name=f"p2pworker-waker-{name}", daemon=True)
@@ -110,8 +115,10 @@ class IdleWaker:
     def retarget(self, ring: Ring | None) -> None:
         """The event ring of the current worker (None: no worker).  Interrupts the thread's sleep first, so this
         waits only for its current look (microseconds), never for a sleep."""
+        self._wanted = True  # before the byte: a thread about to sleep sees one or the other
         self._interrupt()
         with self._lock:
+            self._wanted = False
             self._ring = ring
             self._seen = 0
 
@@ -119,8 +126,9 @@ class IdleWaker:
         self._stop = True
         self.retarget(None)
         self._thread.join(timeout=2.0)
-        for fd in (self._rfd, self._wfd):
-            os.close(fd)
+        if not self._thread.is_alive():  # else it may still poll them: a closed fd's number could be vLLM's next
+            for fd in (self._rfd, self._wfd):
+                os.close(fd)
 
     def _interrupt(self) -> None:
         try:
@@ -148,8 +156,10 @@ class IdleWaker:
                 except Exception as e:  # a broken ring: the tier notices and replaces the worker (retarget)
                     log.debug("waker: %s", e)
                     needs = None
-            if needs is None:  # no worker: sleep until retarget (or a slice)
-                select.select([self._rfd], [], [], WATCH_SLICE_S)
+                self._drain_interrupt()  # under the lock: a byte written after this wakes the next sleep
+            if needs is None:
+                if self._ring is None:  # no worker: sleep until retarget (or a slice)
+                    select.select([self._rfd], [], [], WATCH_SLICE_S)
             elif needs:
                 if self._last_call() > woken_at or now - woken_at >= REWAKE_S:
                     woken_at = now
@@ -160,7 +170,6 @@ class IdleWaker:
                         log.warning("could not wake the engine: %s", e)
                 else:
                     time.sleep(IDLE_S)  # woken already: the engine is in a step, or about to call the tier
-            self._drain_interrupt()
 
     def _look(self, ring: Ring) -> bool:
         """Sleep until a slot not looked at yet is published (or a slice ends); True when an unread one is not a
@@ -168,7 +177,7 @@ class IdleWaker:
         (TAIL passes them), so a wake the engine missed is repeated (REWAKE_S)."""
         tail, head = ring.published()
         start = max(self._seen, tail)
-        if head <= start:
+        if head <= start and not self._wanted:
             ring.watch(start, WATCH_SLICE_S, self._rfd)
             tail, head = ring.published()
             start = max(self._seen, tail)

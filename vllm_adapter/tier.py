@@ -578,7 +578,9 @@ class P2PWorkerTier(SecondaryTierManager):
             log.info("vLLM is shutting down: ending the %d parked store(s) of p2pworker %s that no consumer is "
                      "reading", sum(j.kind is _JobKind.STORE for j in self._jobs.values()), self._name)
         self._stop_reset_at = now + STOP_RESET_S
-        if self._send(api.ResetCache("vLLM is shutting down", loads=False)):
+        # loads go on in a drain (their requests still finish); in abort mode (--shutdown-timeout 0) vLLM aborted
+        # every request, so they are cancelled too
+        if self._send(api.ResetCache("vLLM is shutting down", loads=self._engine.aborting())):
             self._flush()
 
     def _kill(self, client: WorkerClient, now: float, why: str) -> None:
@@ -840,6 +842,12 @@ class P2PWorkerTier(SecondaryTierManager):
         if not self._to_serve:
             return
         queue, self._to_serve = self._to_serve, []
+        if self._engine is not None and self._engine.stopping():
+            # vLLM drains for shutdown: a store pinned now for a peer would hold the drain up (and a source is
+            # asked all the time in llm-d's aggregated sharing); the peer recomputes instead
+            for ev in queue:
+                self._send(api.AnswerLookup(ev.peer_id, ev.lookup_id, [False] * len(ev.keys)))
+            return
         for ev in queue:
             ctx = ReqContext(req_id=f"p2pw:{ev.peer_id}:{ev.request_id}:{ev.lookup_id}", kv_transfer_params=None)
             parent.on_new_request(ctx)

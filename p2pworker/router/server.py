@@ -260,7 +260,10 @@ class Router:
             host, port = by.worker
             dec["kv_transfer_params"] = {"remote_prefiller": peer_params(kv_id, HostPort(host, port))}
         elif routing.kv_source is not None:  # decode computes the prompt now: it may still pull the prefix
-            dec["kv_transfer_params"] = {"remote_kv_source": peer_params(_source_id(kv_id), routing.kv_source)}
+            # its own id at the source: a prefill that failed after it began pulling under _source_id may still
+            # hold (or later release, Done) what the source parked for it
+            dec["kv_transfer_params"] = {"remote_kv_source": peer_params(_source_id(kv_id, "decode"),
+                                                                         routing.kv_source)}
         return await self._relay(request, self.decode, "POST", request.path_qs, _encode(dec), headers)
 
     @staticmethod
@@ -623,10 +626,11 @@ async def _serve(cfg: RouterConfig) -> None:
         log.info("stopped")
 
 
-def _source_id(kv_id: str) -> str:
+def _source_id(kv_id: str, leg: str = "") -> str:
     """The kv_request_id of a request's pull from its KV source: its own, so that the source's parked rows and the
-    prefill's (under kv_id) can never be taken for each other, even were the source the prefill's own worker."""
-    return f"{kv_id}-src"
+    prefill's (under kv_id) can never be taken for each other, even were the source the prefill's own worker; a
+    decode leg that pulls because no prefill served the request gets another one (``leg``)."""
+    return f"{kv_id}-{leg}src" if leg else f"{kv_id}-src"
 
 
 def _host_port(inst: Instance) -> HostPort:

@@ -94,6 +94,7 @@ class Parcel:
     # The consumer needs nothing more of it (Done): its unleased stores end at once and later ones are not parked.
     # Kept (a tombstone) until the reaper's next look, so a store that comes after the Done is not parked either.
     unneeded: bool = False
+    unneeded_at: float = -math.inf  # the last Done: an unneeded tombstone lasts park_timeout_s from it
 
     @property
     def finished(self) -> bool:
@@ -210,6 +211,8 @@ class ParkingLot:
         p = self.parcel(request_id)
         p.unneeded = True
         p.served = True
+        p.unneeded_at = now = self.clock()
+        heapq.heappush(self._due, (now + self.park_timeout_s, next(self._seq), p, None))
         self.maybe_close(p)
 
     # ------------------------------------------------------------ leases
@@ -336,6 +339,8 @@ class ParkingLot:
             elif p.lease is not None:  # not reaped under a lease: look again when it ends
                 heapq.heappush(due, (max(now, p.lease.hold_until), next(self._seq), p, None))
             elif not p.finished and not p.jobs:
+                if p.unneeded and now < p.unneeded_at + self.park_timeout_s:
+                    continue  # a Done's tombstone lasts park_timeout_s from that Done (its own heap entry)
                 self.parcels.pop(p.request_id, None)  # nothing parked, no end told (a Fetch for an id never stored)
             elif now < (at := self._reap_at(p)):
                 # the first look at an unfinished parcel, or an entry of an earlier end: the bound in force

@@ -618,6 +618,8 @@ def test_kv_source_header_goes_to_the_leg_that_computes_the_prompt(fleet):
     assert r.request("POST", "/v1/completions", {"prompt": "turn 3"}, headers=source)[0] == 200
     src = dec.seen()[-1]["body"]["kv_transfer_params"]["remote_kv_source"]
     assert (src["remote_host"], src["remote_port"]) == ("10.9.9.9", 5999)
+    # not the prefill's pull id: a prefill that failed after it began pulling still owns what the source parked
+    assert src["kv_request_id"].endswith("-decodesrc")
     assert dec.seen()[-1]["body"]["kv_transfer_params"].keys() == {"remote_kv_source"}
     assert r.request("POST", "/v1/completions", {"prompt": "x"},
                      headers={"x-kv-cache-source-host-port": "a:1, b:2"})[0] == 400

@@ -264,6 +264,28 @@ def test_done_from_a_consumer_that_fetched_nothing_releases_the_parked_stores_at
     assert "req" not in p.b.lot.parcels  # the tombstone goes at the reaper's first look
 
 
+def test_a_dones_tombstone_lasts_park_timeout_s_from_the_done_not_from_the_parcel():
+    """A decode aborted late in a long prefill: the parcel was made (by an early store or fetch) long before the
+    Done; stores that come within park_timeout_s of the Done are still not parked."""
+    p = Pair().handshake()
+    p.a.load(100, "long", KEYS[:1], [0])  # the fetch makes the parcel at t=0
+    p.deliver()
+    p.advance(31.0)
+    p.a.tick()  # the consumer's lease (30 s) ran out: load reported, Release sent
+    p.deliver()
+    p.advance(20.0)
+    p.a.done("long")  # t=51
+    p.deliver()
+    p.advance(30.0)  # t=81: past the parcel's first look (60 s), within 60 s of the Done
+    p.b.lot.tick()
+    p.b.store(1, "long", KEYS[1:2], [21])
+    b = jobs(p.b.events())
+    assert b[1].success and "needs nothing more" in b[1].reason
+    p.advance(31.0)  # t=112: 61 s after the Done
+    p.b.lot.tick()
+    assert "long" not in p.b.lot.parcels
+
+
 def test_done_never_ends_a_store_whose_rows_are_still_leased():
     """Invariant 7: a Done that overtakes its round's Release (another link, a reconnect) leaves the offered rows
     pinned; they end with the Release, and the keys nobody fetched with them."""

@@ -143,3 +143,21 @@ def test_consumer_done_releases_what_the_producer_parked_and_nobody_fetched(free
     finally:
         prefill.close()
         decode.close()
+
+
+def test_while_vllm_stops_a_source_answers_peers_all_miss_and_pins_nothing(source, puller):
+    """A source draining for shutdown must not pin new stores for peers (each would hold the drain up; in llm-d's
+    aggregated sharing a source is asked all the time): its peers' lookups are answered MISS, they recompute."""
+    owner = source.engine
+    owner.store("own", [50, 51])
+    run_until([owner], owner.idle)
+    source.shutdown_state = EngineShutdownState.REQUESTED
+    host, port = owner.tier.worker_address.split(":")
+    ctx = ReqContext(req_id="late", kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": "late-1", "remote_host": host, "remote_port": int(port)}})
+    with puller.lock:
+        puller.mgr.on_new_request(ctx)
+    puller.lookup(ctx, [50, 51])
+    run_until([puller, owner], lambda: puller.lookup(ctx, [50]) != [LookupResult.RETRY], timeout_s=10)
+    assert puller.lookup(ctx, [50, 51]) == [LookupResult.MISS] * 2
+    assert owner.idle() and owner.tier.counters()["jobs_in_flight"] == 0

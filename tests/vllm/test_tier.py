@@ -259,9 +259,21 @@ def test_a_failed_load_turns_the_request_into_misses(pd, free_port):
     ({"remote_prefiller": "junk"}, "none"),
     ({"remote_kv_source": {"kv_request_id": "a", "remote_host": "h", "remote_port": 7000}}, "symmetric"),
     ({"remote_kv_source": {"kv_request_id": "a"}}, "none"),
+    # the one legal pair (llm-d's P/D + P2P prefill leg): pull from the source, park everything for the decode
+    ({"remote_decoder": {"kv_request_id": "d"},
+      "remote_kv_source": {"kv_request_id": "s", "remote_host": "h", "remote_port": 7000}}, "producer+pull"),
+    # an unusable source beside it leaves a plain producer (the decode still gets its KV)
+    ({"remote_decoder": {"kv_request_id": "d"}, "remote_kv_source": {"kv_request_id": "s"}}, "producer"),
 ])
 def test_invalid_kv_transfer_params_are_misses_not_exceptions(params, kind):
     assert parse_role(params).kind is RoleKind(kind)
+
+
+def test_a_prefill_leg_that_pulls_parks_under_the_decoders_id_and_pulls_under_its_own():
+    role = parse_role({"remote_decoder": {"kv_request_id": "d"},
+                       "remote_kv_source": {"kv_request_id": "s", "remote_host": "h", "remote_port": 7000}})
+    assert (role.park_id, role.kv_request_id, role.address) == ("d", "s", "h:7000")
+    assert role.kind.loads and role.kind.produces and role.kind.asks
 
 
 def test_bad_params_under_the_manager_give_miss(pd):
