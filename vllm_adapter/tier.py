@@ -324,10 +324,14 @@ class P2PWorkerTier(SecondaryTierManager):
         self._waker: IdleWaker | None = None
         if self._engine is not None and poll_s <= 0:
             self._waker = IdleWaker(self._engine, lambda: self._last_call, self._name)
-        log.info("P2PWorkerTier %s: %s", self._name,
-                 "no vLLM engine core found: an idle engine serves peers' pulls only at its next request"
-                 if self._engine is None else f"vLLM's tier-poll thread serves peers every {poll_s:g} s"
-                 if poll_s > 0 else "an idle engine is woken for peers' pulls (no tier-poll thread in this vLLM)")
+        if self._engine is None:  # a warning: vLLM shows only its own loggers' INFO lines
+            log.warning("P2PWorkerTier %s: no vLLM engine core found on the stack that built the tier: %s",
+                        self._name, "parked stores are not ended at vLLM's shutdown drain" if poll_s > 0 else
+                        "an idle engine serves peers' pulls only at its next request (the puller waits out its "
+                        "lookup_timeout_s), and parked stores are not ended at vLLM's shutdown drain")
+        else:
+            log.info("P2PWorkerTier %s: %s", self._name, f"vLLM's tier-poll thread serves peers every {poll_s:g} s"
+                     if poll_s > 0 else "an idle engine is woken for peers' pulls (no tier-poll thread in this vLLM)")
         self._start_worker()
         deadline = time.monotonic() + start_timeout_s
         while not self._ready:  # start-up only: the engine is not serving yet
