@@ -1,0 +1,517 @@
+"""CPU of an IDLE `vllm serve` engine with the P2P tier versus the same engine without it, side by side.
+
+    .venv-vllmcpu032/bin/python benchmarks/idle_cpu.py [--seconds 30] [--rounds 3] [--mode together|sequential]
+        [--model DIR] [--wait-others-s 1200]
+
+Checks the claim "idle CPU of an engine with the tier stays < 2 % of a core above vLLM's own".
+
+Two engines, as scripts/pd.sh starts them (vLLM's CPU backend, the tiny test model of tests/e2e/tiny_model.py,
+``--enforce-eager --dtype float32 --max-model-len 2048 --max-num-seqs 8 --shutdown-timeout 10``,
+VLLM_CPU_KVCACHE_SPACE=1, HTTP on 127.0.0.1):
+
+* ``tier``: OffloadingConnector + vllm_adapter.cpu_spec.CPUTieringOffloadingSpec (64 MiB) with the P2PWorkerTier
+  secondary tier (configs/prefill.toml): the engine core runs the IdleWaker thread and spawns a p2pworker.
+* ``no_tier``: the same connector and spec with ``secondary_tiers: []``.
+
+Each engine, once /health answers 200, serves one small completion, then sits idle ``--settle`` s.  Then the CPU
+time (utime + stime of /proc/<pid>/stat) of every process of its tree (API server, EngineCore, their children: for
+``tier`` the p2pworker) is sampled over ``--seconds`` s windows: % of one core per process and in total.
+``--mode together`` (default): both engines run at once (OMP threads bound to core 0 / core 1, as the e2e tests
+do); each round samples one engine's window then the other's (order alternates by round), so the two share the
+box but each window sees the same neighbour (the other engine, idle).  ``--mode sequential``: one engine at a time
+(both on core 0), all rounds of one, then the other.
+
+The IdleWaker's wake count lives in the engine core's memory only (engine_hook.IdleWaker.wakes): not readable
+from outside.  As a proxy the tier's worker's admin socket is asked, after the windows, for its event ring's depth
+(unread events are what the waker wakes the engine for; heartbeats it skips) and counters.
+
+Prints a table (median, min, max over rounds), then one JSON line.  Stops every engine with SIGTERM (then SIGKILL
+of its process group past --stop-timeout-s) and reports anything of ours left: processes, /dev/shm files, admin
+sockets, ipc dirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.ports import free_ports  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+CONFIGS = ("tier", "no_tier")
+
+
+# ---------------------------------------------------------------------------------------------------- /proc
+def _stat(path: str) -> tuple[int, int, str] | None:
+    """(ppid, utime+stime ticks, comm) of /proc/<pid>[/task/<tid>]/stat."""
+    try:
+        with open(path + "/stat") as f:
+            s = f.read()
+    except OSError:
+        return None
+    comm = s[s.index("(") + 1:s.rindex(")")]
+    rest = s[s.rindex(")") + 2:].split()  # fields from 3 (state) on
+    return int(rest[1]), int(rest[11]) + int(rest[12]), comm
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def tree(root: int) -> list[int]:
+    """root and its descendants (scan of /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(f"/proc/{d}")
+            if st:
+                children.setdefault(st[0], []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        if os.path.exists(f"/proc/{p}"):
+            out.append(p)
+            todo.extend(children.get(p, []))
+    return out
+
+
+def label(pid: int, root: int) -> str:
+    if pid == root:
+        return "api_server"
+    cmd, st = _cmdline(pid), _stat(f"/proc/{pid}")
+    comm = st[2] if st else "?"
+    if "p2pworker.cli launch" in cmd or "p2pworker launch" in cmd:
+        return "p2pworker"
+    if "EngineCore" in comm or "EngineCore" in cmd:
+        return "engine_core"
+    if "resource_tracker" in cmd:
+        return "resource_tracker"
+    return comm or "?"
+
+
+def _ctxt(path: str) -> int:
+    try:
+        with open(path + "/status") as f:
+            return sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+    except OSError:
+        return 0
+
+
+def snapshot(pids: list[int]) -> dict:
+    """Per pid: process ticks, per-thread ticks and comm, context switches (summed over its threads)."""
+    out = {}
+    for pid in pids:
+        st = _stat(f"/proc/{pid}")
+        if st is None:
+            continue
+        threads, ctxt = {}, 0
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            tids = []
+        for tid in tids:
+            tst = _stat(f"/proc/{pid}/task/{tid}")
+            if tst:
+                threads[int(tid)] = (tst[1], tst[2])
+            ctxt += _ctxt(f"/proc/{pid}/task/{tid}")
+        out[pid] = {"ticks": st[1], "threads": threads, "ctxt": ctxt}
+    return out
+
+
+def system_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole box (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return sum(v[:8]) - idle, sum(v[:8])
+
+
+def other_vllm(ours: set[int]) -> list[int]:
+    r = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True)
+    me = os.getpid()
+    return [int(p) for p in r.stdout.split() if int(p) not in ours and int(p) != me]
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+# ---------------------------------------------------------------------------------------------------- engines
+class Engine:
+    def __init__(self, name: str, args, model: str, bind: str, log_dir: str, secret: str):
+        self.name, self.args = name, args
+        self.http, self.p2p = free_ports(2)
+        self.engine_id = f"p2pw-idle-{name.replace('_', '')}-{os.getpid()}-{secrets.token_hex(3)}"
+        spec = {"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "vllm_adapter.cpu_spec",
+                "cpu_bytes_to_use": 64 << 20, "offload_prompt_only": True}
+        if name == "tier":
+            spec["secondary_tiers"] = [{"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier",
+                                        "host": "127.0.0.1", "port": self.p2p,
+                                        "worker_config": f"{ROOT}/configs/prefill.toml"}]
+        else:
+            spec["secondary_tiers"] = []
+        self.kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": self.engine_id,
+                   "kv_connector_extra_config": spec}
+        self.rpc = tempfile.mkdtemp(prefix=f"p2pw-idle-{name}.", dir="/tmp")  # vLLM's ZMQ ipc sockets
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        py = os.path.join(args.venv, "bin", "python")
+        argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
+                "--host", "127.0.0.1", "--port", str(self.http), "--kv-transfer-config", json.dumps(self.kv),
+                "--shutdown-timeout", "10", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
+                "--max-num-seqs", "8"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "P2PWORKER_SECRET": secret, "VLLM_RPC_BASE_PATH": self.rpc,
+               "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+        self.pid = self.proc.pid
+        self.t_start = time.monotonic()
+        self.startup_s: float | None = None
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.http}{path}"
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before healthy; "
+                                   f"log {self.log_path}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_s = round(time.monotonic() - self.t_start, 1)
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not healthy within {timeout_s} s; log {self.log_path}:\n{self.tail()}")
+
+    def complete(self) -> str:
+        body = json.dumps({"model": "tiny", "prompt": "alpha bravo charlie delta echo foxtrot golf hotel",
+                           "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(self.url("/v1/completions"), body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def admins(self) -> list[str]:
+        return sorted(glob.glob(f"/tmp/p2pworker-vllm-{self.engine_id}-*.admin"))
+
+    def worker_status(self) -> list[dict]:
+        """The tier's worker(s), from its admin socket: event ring depth and counters (cheap: one REQ/REP)."""
+        out = []
+        for path in self.admins():
+            try:
+                from p2pworker.admin import query
+
+                st = query(path, timeout_s=3.0)
+                out.append({"admin": os.path.basename(path), "ring_depth": st.get("ring_depth"),
+                            "counters": st.get("counters"), "control": st.get("control"),
+                            "state": st.get("state"), "uptime_s": st.get("uptime_s")})
+            except Exception as e:  # noqa: BLE001 - a proxy only
+                out.append({"admin": os.path.basename(path), "error": repr(e)})
+        return out
+
+    def stop(self, timeout_s: float) -> dict:
+        """SIGTERM the API server (vLLM stops its engine core, the tier its worker), wait; past timeout_s SIGKILL the
+        process group; then report what of ours is left (and remove leftover files)."""
+        t0 = time.monotonic()
+        pgid = self.pid
+        members0 = [p for p in tree(self.pid)]
+        killed = False
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                killed = True
+                os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait(10)
+        # children follow their parent: the same bound
+        deadline = time.monotonic() + timeout_s
+        left = []
+        while time.monotonic() < deadline:
+            left = [p for p in members0 if os.path.exists(f"/proc/{p}") and _pgid(p) == pgid] + \
+                   [int(d) for d in os.listdir("/proc") if d.isdigit() and _pgid(int(d)) == pgid]
+            left = sorted(set(left))
+            if not left:
+                break
+            time.sleep(0.5)
+        if left:
+            killed = True
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+        files = (glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*") + glob.glob(f"/dev/shm/p2pw_*{self.engine_id}*")
+                 + self.admins())
+        for f in files:
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+        rpc_left = os.listdir(self.rpc) if os.path.isdir(self.rpc) else []
+        shutil.rmtree(self.rpc, ignore_errors=True)
+        return {"stop_s": round(time.monotonic() - t0, 1), "rc": self.proc.returncode, "sigkill": killed,
+                "left_processes": left, "left_files": files, "left_in_rpc_dir": rpc_left}
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+def all_ticks() -> dict[int, tuple[int, str]]:
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(f"/proc/{d}")
+            if st:
+                out[int(d)] = (st[1], st[2])
+    return out
+
+
+def window(eng: Engine, seconds: float, ours: set[int]) -> dict:
+    """One sampling window of eng's tree; also the busiest processes outside ``ours`` (both engines' trees)."""
+    pids = tree(eng.pid)
+    labels = {p: label(p, eng.pid) for p in pids}
+    sys0, t0 = system_busy(), time.monotonic()
+    everyone0 = all_ticks()
+    a = snapshot(pids)
+    time.sleep(seconds)
+    b = snapshot(tree(eng.pid))
+    everyone1 = all_ticks()
+    t1, sys1 = time.monotonic(), system_busy()
+    dt = t1 - t0
+    procs, threads = {}, []
+    for pid, s0 in a.items():
+        s1 = b.get(pid)
+        if s1 is None:
+            continue
+        name = labels[pid]
+        while name in procs:
+            name += "'"
+        procs[name] = {"pid": pid, "pct": 100.0 * (s1["ticks"] - s0["ticks"]) / TICK / dt,
+                       "ctxt_per_s": (s1["ctxt"] - s0["ctxt"]) / dt, "threads": len(s1["threads"])}
+        for tid, (ticks1, comm) in s1["threads"].items():
+            ticks0 = s0["threads"].get(tid, (ticks1, comm))[0]
+            if ticks1 > ticks0:
+                threads.append({"proc": name, "tid": tid, "comm": comm,
+                                "pct": round(100.0 * (ticks1 - ticks0) / TICK / dt, 2)})
+    new = sorted(set(b) - set(a))
+    gone = sorted(set(a) - set(b))
+    total = sum(p["pct"] for p in procs.values())
+    sys_pct = 100.0 * (sys1[0] - sys0[0]) / TICK / dt  # % of one core, whole box
+    threads.sort(key=lambda t: -t["pct"])
+    others = []
+    for pid, (ticks1, comm) in everyone1.items():
+        if pid in ours or pid == os.getpid():
+            continue
+        ticks0 = everyone0.get(pid, (0, comm))[0]  # a process born in the window: all its time
+        pct = 100.0 * (ticks1 - ticks0) / TICK / dt
+        if pct >= 1.0:
+            others.append({"pid": pid, "comm": comm, "cmd": _cmdline(pid)[:80], "pct": round(pct, 1)})
+    others.sort(key=lambda o: -o["pct"])
+    return {"seconds": round(dt, 2), "procs": procs, "total": total, "box_pct": sys_pct, "new_pids": new,
+            "gone_pids": gone, "top_threads": threads[:8], "loadavg": loadavg(), "others": others[:5],
+            "tree": [{"pid": p, "ppid": (_stat(f"/proc/{p}") or (0,))[0], "label": labels[p],
+                      "cmd": _cmdline(p)[:100]} for p in pids]}
+
+
+def fmt(vals: list[float]) -> str:
+    if not vals:
+        return "-"
+    return f"{statistics.median(vals):6.2f} [{min(vals):5.2f}..{max(vals):5.2f}]"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=30.0, help="length of one sampling window")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=5.0, help="idle time after the completion before sampling")
+    ap.add_argument("--mode", choices=("together", "sequential"), default="together")
+    ap.add_argument("--model", default=None, help="tiny model dir (default: built into a temp dir, removed)")
+    ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllmcpu032"))
+    ap.add_argument("--wait-others-s", type=float, default=1200.0,
+                    help="wait this long for other vllm.entrypoints processes to end before starting ours")
+    ap.add_argument("--poll-others-s", type=float, default=20.0)
+    ap.add_argument("--health-timeout-s", type=float, default=300.0)
+    ap.add_argument("--stop-timeout-s", type=float, default=60.0)
+    ap.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir, kept on failure only)")
+    args = ap.parse_args()
+
+    py = os.path.join(args.venv, "bin", "python")
+    report: dict = {"mode": args.mode, "seconds": args.seconds, "rounds": args.rounds, "settle_s": args.settle,
+                    "cores": os.cpu_count()}
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="p2pw-idle-cpu-logs.")
+    os.makedirs(log_dir, exist_ok=True)
+    model_tmp = None
+    if args.model is None:
+        model_tmp = tempfile.mkdtemp(prefix="p2pw-idle-cpu-model.")
+        args.model = model_tmp
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        t0 = time.monotonic()
+        subprocess.run([py, "-m", "tests.e2e.tiny_model", args.model], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"built the tiny model in {args.model} ({time.monotonic() - t0:.0f} s)", flush=True)
+
+    # another engineer's e2e engines: two pairs at once overload a 2-core box
+    waited, t0 = 0.0, time.monotonic()
+    while True:
+        others = other_vllm(set())
+        if not others:
+            break
+        waited = time.monotonic() - t0
+        if waited >= args.wait_others_s:
+            print(f"other vllm.entrypoints processes still running after {waited:.0f} s: {others}; giving up",
+                  file=sys.stderr)
+            return 2
+        print(f"waiting: other vllm.entrypoints processes {others} (load {loadavg()})", flush=True)
+        time.sleep(args.poll_others_s)
+    report["waited_for_others_s"] = round(waited)
+    report["loadavg_before"] = loadavg()
+    print(f"load average before: {report['loadavg_before']}", flush=True)
+
+    secret = secrets.token_hex(32)
+    binds = {"tier": "0", "no_tier": "1"} if args.mode == "together" else {"tier": "0", "no_tier": "0"}
+    engines: dict[str, Engine] = {}
+    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    order_log: list[str] = []
+    others_during: set[int] = set()
+    ok = False
+    try:
+        def bring_up(names):
+            for n in names:
+                engines[n] = Engine(n, args, args.model, binds[n], log_dir, secret)
+                print(f"started {n}: pid {engines[n].pid}, http {engines[n].http}, engine_id "
+                      f"{engines[n].engine_id}", flush=True)
+            for n in names:
+                engines[n].wait_healthy(args.health_timeout_s)
+                text = engines[n].complete()
+                print(f"{n}: healthy after {engines[n].startup_s} s; completion {text!r}", flush=True)
+            time.sleep(args.settle)
+
+        def measure(n, r):
+            ours = {p for e in engines.values() for p in tree(e.pid)}
+            others_during.update(other_vllm(ours))
+            w = window(engines[n], args.seconds, ours)
+            results[n].append(w)
+            order_log.append(f"r{r}:{n}")
+            print(f"round {r} {n}: total {w['total']:.2f} % of a core ("
+                  + ", ".join(f"{k} {v['pct']:.2f}" for k, v in w["procs"].items())
+                  + f"); box {w['box_pct']:.1f} %; load {w['loadavg']}; others "
+                  + (", ".join(f"{o['pid']} {o['comm']} {o['pct']}" for o in w["others"]) or "none"), flush=True)
+
+        if args.mode == "together":
+            bring_up(list(CONFIGS))
+            for r in range(args.rounds):
+                for n in (CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
+                    measure(n, r)
+        else:
+            for n in CONFIGS:
+                bring_up([n])
+                for r in range(args.rounds):
+                    measure(n, r)
+                if n == "tier":
+                    report["worker_status"] = engines[n].worker_status()
+                report.setdefault("stop", {})[n] = engines[n].stop(args.stop_timeout_s)
+        if "tier" in engines and "worker_status" not in report:
+            report["worker_status"] = engines["tier"].worker_status()
+        ok = True
+    finally:
+        for n, e in engines.items():
+            if n not in report.get("stop", {}):
+                report.setdefault("stop", {})[n] = e.stop(args.stop_timeout_s)
+        report["startup_s"] = {n: e.startup_s for n, e in engines.items()}
+        report["engine_ids"] = {n: e.engine_id for n, e in engines.items()}
+        report["kv_transfer_config"] = {n: e.kv for n, e in engines.items()}
+        report["loadavg_after"] = loadavg()
+        report["other_vllm_during"] = sorted(others_during)
+        leftover = [p for e in engines.values() for p in tree(e.pid) if e.proc.returncode is None]
+        report["leftover_processes"] = leftover
+        if model_tmp:
+            shutil.rmtree(model_tmp, ignore_errors=True)
+        if ok and not args.log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif not ok:
+            print(f"logs kept in {log_dir}", file=sys.stderr)
+
+    # ------------------------------------------------------------------------------------------------ report
+    rows: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
+    for c in CONFIGS:
+        for w in results[c]:
+            for name, p in w["procs"].items():
+                rows[c].setdefault(name, []).append(p["pct"])
+            rows[c].setdefault("TOTAL", []).append(w["total"])
+    diffs = [t["total"] - n["total"] for t, n in zip(results["tier"], results["no_tier"])]
+    names = sorted({k for c in CONFIGS for k in rows[c]} - {"TOTAL"},
+                   key=lambda k: ("api_server", "engine_core", "p2pworker").index(k)
+                   if k in ("api_server", "engine_core", "p2pworker") else 9) + ["TOTAL"]
+    print()
+    print(f"idle CPU, % of one core: median [min..max] over {args.rounds} rounds of {args.seconds:.0f} s "
+          f"(mode {args.mode}{': both engines up at once, sharing the box' if args.mode == 'together' else ''})")
+    print(f"{'process':<18}{'tier':>26}{'no_tier':>26}")
+    for k in names:
+        print(f"{k:<18}{fmt(rows['tier'].get(k, [])):>26}{fmt(rows['no_tier'].get(k, [])):>26}")
+    print(f"{'tier - no_tier':<18}{fmt(diffs):>26}   (per-round paired difference of TOTAL)")
+    ctx = {c: {k: statistics.median([w["procs"][k]["ctxt_per_s"] for w in results[c] if k in w["procs"]])
+               for k in rows[c] if k != "TOTAL"} for c in CONFIGS if results[c]}
+    print("context switches/s (median): " + "; ".join(
+        f"{c}: " + ", ".join(f"{k} {v:.0f}" for k, v in d.items()) for c, d in ctx.items()))
+    print(f"load average before {report['loadavg_before']}, after {report['loadavg_after']}; other vllm during: "
+          f"{report['other_vllm_during'] or 'none'}")
+    summary = {
+        **report,
+        "order": order_log,
+        "pct_of_core": {c: {k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
+                                "max": round(max(v), 3), "rounds": [round(x, 3) for x in v]}
+                            for k, v in rows[c].items()} for c in CONFIGS},
+        "diff_total": {"median": round(statistics.median(diffs), 3), "min": round(min(diffs), 3),
+                       "max": round(max(diffs), 3), "rounds": [round(x, 3) for x in diffs]} if diffs else None,
+        "ctxt_per_s": ctx,
+        "box_pct_of_core": {c: [round(w["box_pct"], 2) for w in results[c]] for c in CONFIGS},
+        "top_threads": {c: [w["top_threads"] for w in results[c]] for c in CONFIGS},
+        "others": {c: [w["others"] for w in results[c]] for c in CONFIGS},
+        "tree": {c: results[c][0]["tree"] for c in CONFIGS if results[c]},
+        "idle_waker_wakes": "not readable from outside (engine_hook.IdleWaker.wakes lives in the engine core)",
+        "claim_lt_2pct": (statistics.median(diffs) < 2.0) if diffs else None,
+    }
+    print(json.dumps(summary))
+    bad = [n for n, s in report["stop"].items() if s["left_processes"] or s["left_files"] or s["sigkill"]]
+    if bad:
+        print(f"NOT CLEAN: {bad}: {json.dumps({n: report['stop'][n] for n in bad})}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
