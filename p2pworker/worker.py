@@ -999,7 +999,8 @@ class Worker:
             if len(self._unreachable_logged) >= UNREACHABLE_LOGGED_MAX:
                 self._unreachable_logged.clear()
             self._unreachable_logged.add(key)
-            log.warning("peer %s unreachable: %s; pulls from it recompute (retried after a backoff)", key, reason)
+            # INFO: the control transport already warned, once per address and cause
+            log.info("peer %s unreachable: %s; pulls from it recompute (retried after a backoff)", key, reason)
         self._forget_link(link, key, f"peer {key} unreachable: {reason}", f"unreachable: {reason}")
 
     def _drain_lane(self, link: str, s: Session) -> None:

@@ -35,10 +35,21 @@ class LinkUp(NamedTuple):
     address: str
 
 
+class DownCause(enum.Enum):
+    """Why a link went down, where the transport can tell (``LinkDown.cause``, ``LinkInfo.cause``).  The value
+    starts the reason string of the first three; each of them has a counter (the transport's ``counters``)."""
+
+    REFUSED = "connection refused"  # the TCP connect failed: nothing listens at the address (or no route there)
+    HANDSHAKE_FAILED = "handshake failed (protocol)"  # TCP accepted, but what answers is not our transport
+    HANDSHAKE_DROPPED = "connection closed during the handshake"  # a peer of our kind hung up before the welcome
+    OTHER = "other"  # anything else: no answer, heartbeat lost, reset, bye, rejected (see the reason)
+
+
 class LinkDown(NamedTuple):
     link: str
     node_id: str
     reason: str
+    cause: DownCause = DownCause.OTHER
 
 
 ControlEvent = Union[Received, LinkUp, LinkDown]
@@ -62,6 +73,7 @@ class LinkInfo(Protocol):
     state: LinkState
     node_id: str
     reason: str  # why it went down or failed
+    cause: DownCause  # the same, as a kind (OTHER while up)
 
 
 class ControlTransport(abc.ABC):
@@ -85,7 +97,9 @@ class ControlTransport(abc.ABC):
         """Start an outbound link to ``address`` (host:port or tcp://host:port); returns its link id.
 
         Raises ``PeerUnreachable`` at once when the host does not resolve; an
-        address nobody answers on is reported as ``LinkDown`` within the deadline.
+        address that refuses the connection, or answers with something else than
+        the control protocol, is reported as ``LinkDown`` at once (``cause``
+        REFUSED / HANDSHAKE_FAILED); one that says nothing within the deadline.
         """
 
     @abc.abstractmethod

@@ -24,10 +24,25 @@ sends as DATA).
 Link states (outbound)::
 
     CONNECTING --CHALLENGE ok--> AUTHING --WELCOME--> UP
-        |  deadline                 | deadline          | silent > interval x liveness, RESET, BYE
+        |  deadline, refused,       | deadline,         | silent > interval x liveness, RESET, BYE
+        |  ZMTP failed / dropped    | ZMTP dropped      |
         v                           v                   v
        DOWN (reconnect after bounded exponential backoff, new DEALER, new routing id)
     any --REJECT / bad server proof--> FAILED (permanent until disconnect)
+
+Until it is UP, each DEALER has a socket monitor (an inproc PAIR, polled with the
+sockets) that follows how far the TCP connection under it got, :class:`Wire`
+DIALING --TCP connected--> TCP --ZMTP greeting done--> ZMTP, and takes the
+link DOWN at once, without waiting for the deadline, when libzmq says the
+dial failed: the table :data:`MONITOR_MOVES` (the tests read it).  A refused
+connect (nothing listens there) is ``DownCause.REFUSED``, a peer that accepts
+TCP but does not speak ZMTP (an HTTP server, or one that hangs up at once) is
+``DownCause.HANDSHAKE_FAILED``, as is one still silent at the deadline; a ZMTP
+peer that hangs up before our handshake ends is ``DownCause.HANDSHAKE_DROPPED``.
+Each such failure counts in ``counters`` (:data:`CAUSE_COUNTERS`) and is
+logged at WARNING once per address and cause (again only after a link to it
+was UP).  The monitor is closed when the link comes UP: heartbeats watch an UP
+link, and libzmq's own reconnects under it (a TCP hiccup) are not failures.
 
 Inbound links exist per routing id: CHALLENGED --AUTH ok--> UP, and vanish on
 silence, BYE or a failed proof.  What each received frame does, by side and
@@ -50,17 +65,19 @@ import os
 import secrets
 import socket
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Annotated, Callable
 
 import msgspec
 from msgspec import Meta
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from p2pworker.control.base import (
     SECRET_ENV,
     ControlTransport,
+    DownCause,
     LinkDown,
     LinkState,
     LinkUp,
@@ -194,6 +211,53 @@ ROUTER_MOVES: dict[tuple[LinkState | None, bytes], Act] = {
 }
 
 
+class Wire(enum.Enum):
+    """How far the TCP connection under an outbound link's current DEALER got, per its socket monitor."""
+
+    DIALING = "dialing"  # TCP connect in progress (libzmq retries it on its own until we close the DEALER)
+    TCP = "tcp"  # TCP connected; no ZMTP greeting from the peer yet
+    ZMTP = "zmtp"  # libzmq's ZMTP handshake done: only our HELLO / CHALLENGE / AUTH / WELCOME remains
+
+
+# Socket-monitor events of an outbound link's DEALER before UP: (wire, or ANY, event) -> the wire it moves to, or
+# the cause of taking the link DOWN at once; the exact wire first, then ANY; not listed: ignored.  libzmq's
+# sequences (4.3): refused:  CONNECT_RETRIED with no CONNECTED before it;  TCP accepted, then garbage or a hang-up:
+# CONNECTED, HANDSHAKE_FAILED_NO_DETAIL (errno), DISCONNECTED, CONNECT_RETRIED;  a ZMTP peer: CONNECTED,
+# HANDSHAKE_SUCCEEDED.  A CONNECT_RETRIED after a CONNECTED follows a drop, which already took the link down.
+MONITOR_MOVES: dict[tuple[Wire | None, zmq.Event], Wire | DownCause] = {
+    (ANY, zmq.Event.CONNECTED): Wire.TCP,
+    (ANY, zmq.Event.HANDSHAKE_SUCCEEDED): Wire.ZMTP,
+    (Wire.DIALING, zmq.Event.CONNECT_RETRIED): DownCause.REFUSED,
+    (ANY, zmq.Event.HANDSHAKE_FAILED_NO_DETAIL): DownCause.HANDSHAKE_FAILED,  # hung up / reset in the greeting
+    (ANY, zmq.Event.HANDSHAKE_FAILED_PROTOCOL): DownCause.HANDSHAKE_FAILED,  # a greeting that is not ZMTP 3
+    (Wire.TCP, zmq.Event.DISCONNECTED): DownCause.HANDSHAKE_FAILED,  # (libzmq says HANDSHAKE_FAILED first)
+    (Wire.ZMTP, zmq.Event.DISCONNECTED): DownCause.HANDSHAKE_DROPPED,
+}
+# the events the monitor subscribes to: only those the table reads (CONNECT_DELAYED, "connect in progress", is not
+# a failure and would only wake the loop)
+MONITOR_EVENTS: int = sum({int(ev) for _, ev in MONITOR_MOVES})
+
+# counters[...] += 1 for each failure of that cause (each attempt, not each report)
+CAUSE_COUNTERS: dict[DownCause, str] = {
+    DownCause.REFUSED: "connect_refused",
+    DownCause.HANDSHAKE_FAILED: "handshake_failed",
+    DownCause.HANDSHAKE_DROPPED: "handshake_dropped",
+}
+
+# what the LinkDown reason says after "<cause>: <address>: "
+_CAUSE_DETAIL: dict[DownCause, str] = {
+    DownCause.REFUSED: "nothing accepts TCP connections there (or there is no route to it)",
+    DownCause.HANDSHAKE_FAILED: "it accepted TCP but does not speak ZMTP (not a p2pworker control port?)",
+    DownCause.HANDSHAKE_DROPPED: "it closed the connection before our handshake completed",
+}
+
+_WARNED_MAX = 1024  # (address, cause) pairs remembered for log-once; the oldest is forgotten beyond
+
+
+def monitor_move(wire: Wire, event: zmq.Event) -> Wire | DownCause | None:
+    return MONITOR_MOVES.get((wire, event)) or MONITOR_MOVES.get((ANY, event))
+
+
 def dealer_move(state: LinkState, kind: bytes) -> Act:
     return DEALER_MOVES.get((state, kind)) or DEALER_MOVES.get((ANY, kind)) or Act.MALFORMED
 
@@ -210,6 +274,8 @@ class Link:
     state: LinkState
     node_id: str = ""
     sock: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None  # outbound, before UP: sock's socket monitor (closed with sock, or at UP)
+    wire: Wire = Wire.DIALING  # outbound: how far sock's TCP connection got (from the monitor)
     ident: bytes = b""
     nonce: bytes = b""
     peer_nonce: bytes = b""
@@ -222,6 +288,7 @@ class Link:
     incarnation: int = 0
     reported_down: bool = False
     reason: str = ""
+    cause: DownCause = DownCause.OTHER
 
 
 def _normalize(address: str, resolve: bool = True) -> tuple[str, str, int]:
@@ -282,7 +349,7 @@ class ZmqControl(ControlTransport):
         self.address = advertised(self.bound_address, cfg.advertise_host)
         self._poller = zmq.Poller()
         self._poller.register(r, zmq.POLLIN)
-        self._by_sock: dict[zmq.Socket, Link] = {}  # dealer socket -> its outbound link
+        self._by_sock: dict[zmq.Socket, Link] = {}  # dealer socket, or its monitor -> its outbound link
         self.sockets_epoch = 0  # bumped whenever sockets() changes: an outer poll loop rebuilds only then
         self._links: dict[str, Link] = {}
         self._inbound: dict[bytes, Link] = {}
@@ -291,6 +358,7 @@ class ZmqControl(ControlTransport):
         self._tick_s = min(0.25, cfg.heartbeat_interval_s / 4)
         self._next_tick = clock() + self._tick_s
         self._closed = False
+        self._warned: OrderedDict[tuple[str, DownCause], None] = OrderedDict()  # dial failures logged (log once)
         self.counters = {
             "frames_in": 0,
             "frames_out": 0,
@@ -298,6 +366,7 @@ class ZmqControl(ControlTransport):
             "malformed_frames": 0,
             "rejected_handshakes": 0,
             "links_down": 0,
+            **{name: 0 for name in CAUSE_COUNTERS.values()},
         }
 
     # ------------------------------------------------------------ auth
@@ -353,8 +422,9 @@ class ZmqControl(ControlTransport):
         return self._links.get(link_id)
 
     def sockets(self) -> list[zmq.Socket]:
-        """Every socket to watch for POLLIN (for an outer poll loop)."""
-        return [self._router] + [lk.sock for lk in self._links.values() if lk.sock is not None]
+        """Every socket to watch for POLLIN (for an outer poll loop): the router, each DEALER and, before its link
+        is UP, the DEALER's socket monitor."""
+        return [self._router] + [s for lk in self._links.values() for s in (lk.sock, lk.monitor) if s is not None]
 
     def quiet(self, readable) -> bool:
         """Nothing for ``poll(0)`` to do, given ``readable``, what an outer poll over :meth:`sockets` just found
@@ -379,9 +449,13 @@ class ZmqControl(ControlTransport):
             if sock is self._router:
                 self._drain_router()
             else:
-                link = self._by_sock.get(sock)
-                if link is not None and link.sock is sock:
+                link = self._by_sock.get(sock)  # None: closed by an earlier one of this batch
+                if link is None:
+                    continue
+                if link.sock is sock:
                     self._drain_dealer(link)
+                elif link.monitor is sock:
+                    self._drain_monitor(link)
         if clock() >= self._next_tick:
             self._tick()
         if not self._events:
@@ -446,17 +520,35 @@ class ZmqControl(ControlTransport):
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         sock.setsockopt(zmq.ROUTING_ID, f"{self.node_id}#{link.link_id}#{link.incarnation}".encode())
+        # before connect(): the monitor sees the dial from its first event on
+        monitor = sock.get_monitor_socket(MONITOR_EVENTS)
         sock.connect(link.address)
-        link.sock = sock
-        self._poller.register(sock, zmq.POLLIN)
-        self._by_sock[sock] = link
+        link.sock, link.monitor, link.wire = sock, monitor, Wire.DIALING
+        for s in (sock, monitor):  # the DEALER first: poll() drains it before its monitor
+            self._poller.register(s, zmq.POLLIN)
+            self._by_sock[s] = link
         self.sockets_epoch += 1
         link.nonce = secrets.token_bytes(16)
         link.state = LinkState.CONNECTING
         link.deadline = self._clock() + self.config.deadline_s
         self._send_quiet(link, K_HELLO, _enc.encode(_Hello(CONTROL_VERSION, self.node_id, link.nonce)))
 
+    def _unwatch(self, link: Link) -> None:
+        """Close ``link``'s socket monitor (at UP, or with its DEALER)."""
+        monitor = link.monitor
+        if monitor is None:
+            return
+        link.monitor = None
+        # libzmq's side first: it sends events with a blocking send from its I/O thread, and a PAIR whose peer is
+        # closed never takes one; stopping also unbinds the inproc address
+        link.sock.disable_monitor()
+        self._poller.unregister(monitor)
+        self._by_sock.pop(monitor, None)
+        self.sockets_epoch += 1
+        monitor.close(linger=0)
+
     def _close_sock(self, link: Link) -> None:
+        self._unwatch(link)
         if link.sock is not None:
             self._poller.unregister(link.sock)
             self._by_sock.pop(link.sock, None)
@@ -469,10 +561,11 @@ class ZmqControl(ControlTransport):
         if not link.outbound:
             self._inbound.pop(link.ident, None)
 
-    def _down(self, link: Link, reason: str, retry: bool) -> None:
+    def _down(self, link: Link, reason: str, retry: bool, cause: DownCause = DownCause.OTHER) -> None:
         """A link stopped working: report once, then reconnect (outbound) or forget (inbound)."""
         was_up = link.state is LinkState.UP
         link.reason = reason
+        link.cause = cause
         link.queued.clear()
         if link.outbound:
             self._close_sock(link)
@@ -492,12 +585,53 @@ class ZmqControl(ControlTransport):
             link.reported_down = True
             self.counters["links_down"] += 1
             log.info("control link %s (%s %s) down: %s", link.link_id, link.node_id, link.address, reason)
-            self._events.append(LinkDown(link.link_id, link.node_id, reason))
+            self._events.append(LinkDown(link.link_id, link.node_id, reason, cause))
+
+    def _dial_failed(self, link: Link, cause: DownCause, detail: str = "") -> None:
+        """The monitor (or the deadline, for a silent TCP peer) says this dial cannot work: DOWN now, retried
+        after the link's backoff like any other DOWN; counted each time, logged once per address and cause."""
+        self.counters[CAUSE_COUNTERS[cause]] += 1
+        reason = f"{cause.value}: {link.address}: {detail or _CAUSE_DETAIL[cause]}"
+        key = (link.address, cause)
+        if key not in self._warned:
+            self._warned[key] = None
+            if len(self._warned) > _WARNED_MAX:
+                self._warned.popitem(last=False)
+            log.warning("control link %s: %s (retrying with backoff up to %.1f s; logged once per address)",
+                        link.link_id, reason, self.config.reconnect_max_s)
+        self._down(link, reason, retry=True, cause=cause)
+
+    def _drain_monitor(self, link: Link) -> None:
+        monitor = link.monitor
+        for _ in range(self.config.max_batch):
+            if link.monitor is not monitor:  # the link came up or went down meanwhile: its monitor is closed
+                return
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            move = monitor_move(link.wire, event["event"])
+            if isinstance(move, Wire):
+                link.wire = move
+            elif isinstance(move, DownCause):
+                # what the DEALER already holds first: a REJECT before the hang-up is the truer reason
+                self._drain_dealer(link)
+                if link.monitor is monitor and link.state in (LinkState.CONNECTING, LinkState.AUTHING):
+                    errno_ = int(event["value"])
+                    detail = _CAUSE_DETAIL[move]
+                    if move is DownCause.HANDSHAKE_FAILED and errno_:  # NO_DETAIL / PROTOCOL carry an errno
+                        detail += f" ({os.strerror(errno_)})"
+                    self._dial_failed(link, move, detail)
 
     def _up(self, link: Link) -> None:
+        if link.outbound:
+            self._unwatch(link)  # heartbeats watch an UP link: libzmq reconnecting under it is no failure
+            for cause in CAUSE_COUNTERS:  # it works now: a later failure there is news again
+                self._warned.pop((link.address, cause), None)
         link.state = LinkState.UP
         link.reported_down = False
         link.reason = ""
+        link.cause = DownCause.OTHER
         link.backoff_s = self.config.reconnect_min_s
         link.last_recv = self._clock()
         self._events.append(LinkUp(link.link_id, link.node_id, link.outbound, link.address))
@@ -653,6 +787,14 @@ class ZmqControl(ControlTransport):
                     self._send_quiet(link, K_PING, b"")
             elif st in (LinkState.CONNECTING, LinkState.AUTHING):
                 if now >= link.deadline:
+                    self._drain_monitor(link)  # how far the wire got, up to now (this may take the link down)
+                if now < link.deadline or link.state is not st:
+                    pass
+                elif link.wire is Wire.TCP:  # libzmq answers the greeting on its own thread: not our kind there
+                    self._dial_failed(link, DownCause.HANDSHAKE_FAILED,
+                                      f"it accepted TCP but sent no ZMTP greeting within {cfg.deadline_s:.1f} s "
+                                      f"(not a p2pworker control port, or a stopped process)")
+                else:
                     self._down(link, f"no answer from {link.address} within {cfg.deadline_s:.1f} s", retry=True)
             elif st is LinkState.CHALLENGED:
                 if now >= link.deadline:

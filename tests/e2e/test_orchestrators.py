@@ -11,6 +11,7 @@ force-kill, nothing left in /dev/shm or /tmp.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import uuid
@@ -130,6 +131,31 @@ def test_prefill_leg_pulls_its_prefix_and_serves_the_decode(pd):
     assert released_s <= 1.0, f"unfetched parked stores released {released_s:.2f} s after the decode's answer"
 
 
+def test_a_decode_that_fetches_nothing_releases_the_producers_stores_at_once(pd):
+    """The same prompt through PD twice (a retried request, a shared system prompt): the second time the decode
+    engine holds every full block itself and fetches nothing.  The prefill engine's parked copies end when the
+    decode's request ends (Done), within 1 s, not park_timeout_s (60 s) later; both answers equal one engine's."""
+    text = prompt(520, seed=6250)
+    want = baseline(pd, text)
+    ended = None
+    for i in range(2):
+        rid = f"twice-{i}-{uuid.uuid4().hex}"
+        before = p2p_tokens(pd, "decode")
+        pd.complete("prefill", text, max_tokens=1, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
+        got = pd.complete("decode", text, kv_transfer_params={"remote_prefiller": {
+            "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}})
+        ended = time.monotonic()
+        assert_same(got, want, f"PD request {i + 1} of the same prompt")
+        loaded = p2p_tokens(pd, "decode") - before
+        assert loaded == (expected_p2p_tokens(520) if i == 0 else 0), (i, loaded)
+    while pd.metric("prefill", IN_FLIGHT) > 0:
+        assert time.monotonic() - ended < 10, "the prefill engine still holds stores the decode never fetched"
+        time.sleep(0.05)
+    released_s = time.monotonic() - ended
+    pd.report["nothing_fetched_released_s"] = round(released_s, 3)
+    assert released_s <= 1.0, f"stores nobody fetched released {released_s:.2f} s after the decode's answer"
+
+
 def test_multi_turn_pd_pulls_the_decodes_generated_kv(pd):
     """llm-d's multi-turn P/D: turn 1 through PD; the decode engine (offload_prompt_only: false) keeps the KV it
     generated in its CPU tier; turn 2's prefill leg (``remote_decoder`` + ``remote_kv_source`` naming the decode)
@@ -181,3 +207,29 @@ def test_concurrent_legs(pd):
     assert not t.is_alive() and "got" in out
     assert_same(out["got"], want, "concurrent legs")
     assert p2p_tokens(pd, "decode") - before == expected_p2p_tokens(n)
+
+
+@pytest.mark.parametrize("where", ["refused", "http"])
+def test_a_mis_addressed_pull_recomputes_fast(pd, where):
+    """A ``remote_kv_source`` naming a port nobody listens on (refused) or an engine's HTTP port (not a worker):
+    the request recomputes with the single-engine answer.  Refused: at most 0.5 s more than recomputing (a refused
+    connection is known at once); HTTP: bounded by the handshake timeout (3 s) plus slack.  The in-tree tier
+    stalls here until the client gives up."""
+    from tests.ports import free_ports
+
+    port = free_ports(1)[0] if where == "refused" else pd.prefill_http
+    src = {"kv_request_id": f"bad-{uuid.uuid4().hex}", "remote_host": "127.0.0.1", "remote_port": port}
+    runs, plain = [], []
+    for i in range(2):  # the second finds the address already known bad (backoff): as fast
+        text = prompt(520, seed=6500 + 10 * i + (where == "http"))
+        want = baseline(pd, text)
+        got, took, pulled = pull(pd, text, src)
+        assert_same(got, want, f"pull from a {where} address")
+        assert pulled == 0
+        runs.append(took)
+        plain.append(timed(pd.complete, "decode", prompt(520, seed=6600 + 10 * i + (where == "http")))[1])
+    pd.report[f"misaddressed_{where}_s"] = {"pull": [round(x, 3) for x in runs],
+                                            "recompute": [round(x, 3) for x in plain]}
+    extra = max(r - p for r, p in zip(runs, plain))
+    assert extra <= (0.5 if where == "refused" else 3.0 + 1.0), f"{where}: {runs} s vs recompute {plain} s"
+    assert statistics.median(runs) < 5.0

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 
+from p2pworker.control.base import DownCause
 from p2pworker.control import ControlConfig, LinkDown, LinkUp, Received, ZmqControl, default_port
 from p2pworker.control.zmq_control import (
     DEALER_MOVES,
@@ -248,7 +249,8 @@ def test_unreachable_and_unresolvable_addresses(pair):
     ev = pump({"a": a}, lambda e: of(e, "a", LinkDown))
     took_s = time.monotonic() - t0
     assert took_s <= 0.6 + 0.5, f"unreachable peer reported after {took_s:.2f} s (deadline 0.6 s + slack)"
-    assert "no answer" in of(ev, "a", LinkDown)[0].reason
+    down = of(ev, "a", LinkDown)[0]
+    assert down.cause is DownCause.REFUSED and "connection refused" in down.reason, down
     with pytest.raises(PeerLost, match="down"):
         a.send(link, b"x")
     ev = drain_for({"a": a}, 1.5)
@@ -390,3 +392,58 @@ def test_a_wildcard_bind_advertises_a_dialable_address(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_a_refused_dial_is_known_at_once_not_at_the_deadline():
+    """With a long handshake deadline (10 s here), a port nobody listens on is reported down within 0.5 s (the
+    socket monitor sees libzmq's failed connect): a pull addressed there recomputes at once.  Counted."""
+    a = ZmqControl(cfg(heartbeat_interval_s=5.0, heartbeat_liveness=2), node_id="A")
+    try:
+        t0 = time.monotonic()
+        a.connect(f"127.0.0.1:{free_port()}")
+        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=5.0)
+        took_s = time.monotonic() - t0
+        assert of(ev, "a", LinkDown)[0].cause is DownCause.REFUSED
+        assert took_s < 0.5, f"refused connect reported after {took_s:.2f} s"
+        assert a.counters["connect_refused"] >= 1
+    finally:
+        a.close()
+
+
+def test_a_port_that_does_not_speak_the_protocol_is_a_failed_handshake_before_the_deadline():
+    """An HTTP server's port (it answers our greeting with garbage and hangs up): down with cause HANDSHAKE_FAILED,
+    well before the 10 s deadline."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            with c:
+                c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    a = ZmqControl(cfg(heartbeat_interval_s=5.0, heartbeat_liveness=2), node_id="A")
+    try:
+        t0 = time.monotonic()
+        a.connect(f"127.0.0.1:{srv.getsockname()[1]}")
+        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=15.0)
+        took_s = time.monotonic() - t0
+        down = of(ev, "a", LinkDown)[0]
+        assert down.cause is DownCause.HANDSHAKE_FAILED, down
+        assert took_s < 2.0, f"a non-ZMTP peer reported after {took_s:.2f} s"
+    finally:
+        a.close()
+        stop.set()
+        t.join(2)
+        srv.close()

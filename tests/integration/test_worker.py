@@ -631,3 +631,43 @@ def test_an_undecodable_first_command_is_refused_as_another_release(shm_prefix, 
         code = c.close()
         reg.close()
     assert code == 0
+
+
+def events_until(client: WorkerClient, want, timeout_s: float) -> list:
+    """Poll ``client`` until ``want(events so far)``; every event is kept (none is dropped on the way)."""
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while not want(got):
+        assert time.monotonic() < deadline, f"not seen within {timeout_s} s: {got}"
+        got += client.poll()
+        time.sleep(0.001)
+    return got
+
+
+def _answered(lookup_id: int):
+    return lambda evs: any(isinstance(e, api.LookupResult) and e.lookup_id == lookup_id for e in evs)
+
+
+def test_pulls_from_an_address_that_never_comes_up_fail_fast_and_are_counted(pair, tmp_path):
+    """A ``remote_kv_source`` naming a port nobody listens on: the lookup is answered "not here" (the tier then
+    recomputes) once the dial fails, and every pull for that address during the backoff after it fails at once,
+    with the reason, instead of waiting for a handshake that will not come (before: each waited out the handshake or
+    lookup timeout).  The failure is counted once per dial (peers_unreachable) and the worker stays up."""
+    (a, _), _ = pair
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    assert a.send(api.LookupKeys(1, dead, "nobody-home", [b"k"]))
+    (first,) = [e for e in events_until(a, _answered(1), 10) if isinstance(e, api.LookupResult)]
+    first_s = time.monotonic() - t0
+    assert first.present is None, first
+    t1 = time.monotonic()
+    assert a.send(api.LookupKeys(2, dead, "nobody-home", [b"k"]))
+    assert a.send(api.LoadJob(3, dead, "nobody-home", [b"k"], [5]))
+    evs = events_until(a, lambda evs: _answered(2)(evs) and any(isinstance(e, api.JobFinished) for e in evs), 10)
+    again_s = time.monotonic() - t1
+    (second,) = [e for e in evs if isinstance(e, api.LookupResult)]
+    (load,) = [e for e in evs if isinstance(e, api.JobFinished)]
+    assert second.present is None and "unreachable" in second.reason, second
+    assert not load.success and "unreachable" in load.reason, load
+    assert again_s < 0.5, f"a pull during the backoff took {again_s:.2f} s (first dial: {first_s:.2f} s)"
+    assert status_of(tmp_path / "wa.admin")["counters"]["peers_unreachable"] >= 1
