@@ -58,9 +58,11 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import hashlib
 import hmac
 import logging
+import operator
 import os
 import secrets
 import socket
@@ -235,7 +237,7 @@ MONITOR_MOVES: dict[tuple[Wire | None, zmq.Event], Wire | DownCause] = {
 }
 # the events the monitor subscribes to: only those the table reads (CONNECT_DELAYED, "connect in progress", is not
 # a failure and would only wake the loop)
-MONITOR_EVENTS: int = sum({int(ev) for _, ev in MONITOR_MOVES})
+MONITOR_EVENTS: int = functools.reduce(operator.or_, (int(ev) for _, ev in MONITOR_MOVES))
 
 # counters[...] += 1 for each failure of that cause (each attempt, not each report)
 CAUSE_COUNTERS: dict[DownCause, str] = {
@@ -603,6 +605,8 @@ class ZmqControl(ControlTransport):
 
     def _drain_monitor(self, link: Link) -> None:
         monitor = link.monitor
+        if monitor is None:
+            return
         for _ in range(self.config.max_batch):
             if link.monitor is not monitor:  # the link came up or went down meanwhile: its monitor is closed
                 return
@@ -617,10 +621,10 @@ class ZmqControl(ControlTransport):
                 # what the DEALER already holds first: a REJECT before the hang-up is the truer reason
                 self._drain_dealer(link)
                 if link.monitor is monitor and link.state in (LinkState.CONNECTING, LinkState.AUTHING):
-                    errno_ = int(event["value"])
+                    err = int(event["value"])
                     detail = _CAUSE_DETAIL[move]
-                    if move is DownCause.HANDSHAKE_FAILED and errno_:  # NO_DETAIL / PROTOCOL carry an errno
-                        detail += f" ({os.strerror(errno_)})"
+                    if move is DownCause.HANDSHAKE_FAILED and err:  # NO_DETAIL / PROTOCOL carry an errno
+                        detail += f" ({os.strerror(err)})"
                     self._dial_failed(link, move, detail)
 
     def _up(self, link: Link) -> None:
@@ -773,6 +777,19 @@ class ZmqControl(ControlTransport):
             self._up(link)
 
     # ------------------------------------------------------------ timers
+    def _on_deadline(self, link: Link) -> None:
+        """An outbound handshake ran past its deadline: say how far it got."""
+        st, d = link.state, self.config.deadline_s
+        self._drain_monitor(link)  # how far the wire got, up to now (a failure event takes the link down here)
+        if link.state is not st:
+            return
+        if link.wire is Wire.TCP:  # a peer's libzmq answers the greeting on its own I/O thread: not our kind there
+            self._dial_failed(link, DownCause.HANDSHAKE_FAILED,
+                              f"it accepted TCP but sent no ZMTP greeting within {d:.1f} s "
+                              f"(not a p2pworker control port, or a stopped process)")
+        else:
+            self._down(link, f"no answer from {link.address} within {d:.1f} s", retry=True)
+
     def _tick(self) -> None:
         cfg = self.config
         now = self._clock()
@@ -787,15 +804,7 @@ class ZmqControl(ControlTransport):
                     self._send_quiet(link, K_PING, b"")
             elif st in (LinkState.CONNECTING, LinkState.AUTHING):
                 if now >= link.deadline:
-                    self._drain_monitor(link)  # how far the wire got, up to now (this may take the link down)
-                if now < link.deadline or link.state is not st:
-                    pass
-                elif link.wire is Wire.TCP:  # libzmq answers the greeting on its own thread: not our kind there
-                    self._dial_failed(link, DownCause.HANDSHAKE_FAILED,
-                                      f"it accepted TCP but sent no ZMTP greeting within {cfg.deadline_s:.1f} s "
-                                      f"(not a p2pworker control port, or a stopped process)")
-                else:
-                    self._down(link, f"no answer from {link.address} within {cfg.deadline_s:.1f} s", retry=True)
+                    self._on_deadline(link)
             elif st is LinkState.CHALLENGED:
                 if now >= link.deadline:
                     self._links.pop(link.link_id, None)
