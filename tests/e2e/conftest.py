@@ -165,7 +165,8 @@ def tiny_model(tmp_path_factory):
 
 @contextlib.contextmanager
 def running(pair: PD, on_stop=None, starts=(("start",),), before_stop=None):
-    """`scripts/pd.sh start` ... `stop`; the stop must leave nothing behind and stop every engine in its bound.
+    """`scripts/pd.sh start` ... `stop`; the first request through the router right after the start must be served
+    over P2P, and the stop must leave nothing behind and stop every engine in its bound.
     ``starts``: the start invocations, e.g. one role at a time as on two machines.  ``before_stop(pair)`` runs right
     before the stop (traffic the stop must cope with); ``on_stop(pair)`` after it, before the checks (reports)."""
     try:
@@ -176,6 +177,8 @@ def running(pair: PD, on_stop=None, starts=(("start",),), before_stop=None):
         pair.script("stop", timeout_s=120)
         raise
     try:
+        if any(len(args) == 1 or "router" in args for args in starts):
+            first_request_over_p2p(pair)
         yield pair
         if before_stop is not None:
             before_stop(pair)
@@ -187,6 +190,20 @@ def running(pair: PD, on_stop=None, starts=(("start",),), before_stop=None):
         left = pair.leftovers() + [f"{d} (vLLM's ipc sockets)" for d in rpc if os.path.exists(d)]
         assert p.returncode == 0 and not left, f"pd.sh stop rc={p.returncode}, leftovers {left}:\n{p.stderr}"
         assert "killing" not in p.stderr, f"an engine did not stop within the bound:\n{p.stderr}"
+
+
+def first_request_over_p2p(pair: PD) -> float:
+    """Right after ``pd.sh start`` returned: the first request through the router is a PD request served over P2P
+    (the decode engine counts P2P prompt tokens), not a silent recompute because the router had not yet taken an
+    instance in (pd.sh start waits until its /health lists every configured instance up).  Returns the tokens."""
+    from tests.e2e.tiny_model import prompt
+
+    before = pair.p2p_cached()
+    pair.complete("router", prompt(300, seed=8800))
+    got = pair.p2p_cached() - before
+    pair.report.setdefault("first_request_p2p_tokens", []).append(got)
+    assert got > 0, "the first request after pd.sh start was recomputed: the router did not route it over P2P"
+    return got
 
 
 def _write_report(pair: PD) -> None:
