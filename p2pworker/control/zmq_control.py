@@ -387,7 +387,11 @@ class ZmqControl(ControlTransport):
         self._seq += 1
         link = Link(f"out-{self._seq}", True, endpoint, LinkState.CONNECTING, backoff_s=self.config.reconnect_min_s)
         self._links[link.link_id] = link
-        self._open(link)
+        try:
+            self._open(link)
+        except zmq.ZMQError as e:  # e.g. out of file descriptors: a clear refusal, no half-made link kept
+            self._links.pop(link.link_id, None)
+            raise PeerUnreachable(f"cannot dial control address {address!r}: {e}") from None
         return link.link_id
 
     def send(self, link_id: str, payload: bytes) -> None:
@@ -522,9 +526,18 @@ class ZmqControl(ControlTransport):
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
         sock.setsockopt(zmq.ROUTING_ID, f"{self.node_id}#{link.link_id}#{link.incarnation}".encode())
-        # before connect(): the monitor sees the dial from its first event on
-        monitor = sock.get_monitor_socket(MONITOR_EVENTS)
-        sock.connect(link.address)
+        monitor = None
+        try:
+            # before connect(): the monitor sees the dial from its first event on
+            monitor = sock.get_monitor_socket(MONITOR_EVENTS)
+            sock.connect(link.address)
+        except zmq.ZMQError:
+            # not yet ours to track (no link holds them): close both here or they leak, one pair per failed dial
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            raise
         link.sock, link.monitor, link.wire = sock, monitor, Wire.DIALING
         for s in (sock, monitor):  # the DEALER first: poll() drains it before its monitor
             self._poller.register(s, zmq.POLLIN)
@@ -810,4 +823,9 @@ class ZmqControl(ControlTransport):
                     self._links.pop(link.link_id, None)
                     self._drop(link)
             elif st is LinkState.DOWN and link.outbound and now >= link.next_attempt:
-                self._open(link)
+                try:
+                    self._open(link)
+                except zmq.ZMQError as e:  # e.g. out of file descriptors: the link stays DOWN, tried after its backoff
+                    link.next_attempt = now + link.backoff_s
+                    link.backoff_s = min(link.backoff_s * 2, cfg.reconnect_max_s)
+                    log.warning("control link %s: cannot dial %s again: %s", link.link_id, link.address, e)

@@ -447,3 +447,108 @@ def test_a_port_that_does_not_speak_the_protocol_is_a_failed_handshake_before_th
         stop.set()
         t.join(2)
         srv.close()
+
+
+def test_a_silent_peer_is_a_failed_handshake_at_the_deadline_not_later():
+    """A port whose kernel accepts TCP but whose process never speaks (a stopped worker, a wedged listener): no
+    monitor event tells it apart from a slow peer, so the deadline does (here 0.2 s x 3 = 0.6 s): down with cause
+    HANDSHAKE_FAILED and a reason that says TCP was accepted, within the deadline plus slack; reported once."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)  # never accept(): the kernel completes the TCP handshake, nobody sends a greeting
+    a = ZmqControl(cfg(), node_id="A")
+    try:
+        t0 = time.monotonic()
+        a.connect(f"127.0.0.1:{srv.getsockname()[1]}")
+        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=10.0)
+        took_s = time.monotonic() - t0
+        (down,) = of(ev, "a", LinkDown)
+        assert down.cause is DownCause.HANDSHAKE_FAILED and "accepted TCP" in down.reason, down
+        assert 0.5 <= took_s <= 0.6 + 1.0, f"a silent peer reported after {took_s:.2f} s (deadline 0.6 s)"
+        assert a.counters["handshake_failed"] >= 1
+        assert not of(drain_for({"a": a}, 1.0), "a", LinkDown), "reported twice"
+    finally:
+        a.close()
+        srv.close()
+
+
+def test_a_zmtp_peer_that_hangs_up_mid_handshake_is_a_dropped_handshake():
+    """A peer that completes ZMTP (libzmq's greeting) and closes before answering our HELLO: down at once with cause
+    HANDSHAKE_DROPPED (not at the deadline, 10 s here), counted."""
+    ctx = zmq.Context()
+    srv = ctx.socket(zmq.ROUTER)
+    srv.setsockopt(zmq.LINGER, 0)
+    port = srv.bind_to_random_port("tcp://127.0.0.1")
+    a = ZmqControl(cfg(heartbeat_interval_s=5.0, heartbeat_liveness=2), node_id="A")
+    try:
+        t0 = time.monotonic()
+        a.connect(f"127.0.0.1:{port}")
+        srv.setsockopt(zmq.RCVTIMEO, 3000)
+        srv.recv_multipart()  # our HELLO: the ZMTP handshake is done
+        srv.close()
+        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=5.0)
+        took_s = time.monotonic() - t0
+        (down,) = of(ev, "a", LinkDown)
+        assert down.cause is DownCause.HANDSHAKE_DROPPED, down
+        assert took_s < 2.0, f"a dropped handshake reported after {took_s:.2f} s (deadline 10 s)"
+        assert a.counters["handshake_dropped"] >= 1
+    finally:
+        a.close()
+        ctx.term()
+
+
+def test_the_monitor_table_reads_every_dial_outcome_and_subscribes_to_exactly_its_events():
+    """MONITOR_MOVES as data: a refused connect is only known before TCP came up; once ZMTP is up a hang-up is a
+    dropped handshake; TCP without ZMTP that ends is a failed one; the subscription is the table's events, no more
+    (CONNECT_DELAYED would only wake the loop)."""
+    from p2pworker.control.zmq_control import ANY, MONITOR_EVENTS, MONITOR_MOVES, Wire
+
+    assert MONITOR_MOVES[(Wire.DIALING, zmq.Event.CONNECT_RETRIED)] is DownCause.REFUSED
+    assert (Wire.TCP, zmq.Event.CONNECT_RETRIED) not in MONITOR_MOVES  # a retry after a drop: already down
+    assert MONITOR_MOVES[(Wire.TCP, zmq.Event.DISCONNECTED)] is DownCause.HANDSHAKE_FAILED
+    assert MONITOR_MOVES[(Wire.ZMTP, zmq.Event.DISCONNECTED)] is DownCause.HANDSHAKE_DROPPED
+    assert MONITOR_MOVES[(ANY, zmq.Event.CONNECTED)] is Wire.TCP
+    assert MONITOR_MOVES[(ANY, zmq.Event.HANDSHAKE_SUCCEEDED)] is Wire.ZMTP
+    assert set(DownCause) - {DownCause.OTHER} <= set(MONITOR_MOVES.values())  # every cause has a way in
+    events = {ev for _, ev in MONITOR_MOVES}
+    assert MONITOR_EVENTS == sum(int(ev) for ev in events)
+    assert not MONITOR_EVENTS & int(zmq.Event.CONNECT_DELAYED)
+
+
+def test_failed_dials_are_logged_once_per_address_and_counted_each_time(caplog):
+    """Three dials of one refused address (the worker dials again after each backoff): three counted failures, one
+    WARNING naming the address; another address gets its own line.  Every failed dial's DEALER and monitor are
+    closed: the transport holds no socket for a link that went down."""
+    dead, other = free_port(), free_port()
+    a = ZmqControl(cfg(), node_id="A")
+    idle_sockets = len(a.sockets())
+    try:
+        with caplog.at_level(logging.WARNING, logger="p2pworker.control.zmq_control"):
+            for address in (f"127.0.0.1:{dead}",) * 3 + (f"127.0.0.1:{other}",):
+                n = len(of(drain_for({"a": a}, 0.0), "a", LinkDown))
+                a.connect(address)
+                pump({"a": a}, lambda e, n=n: len(of(e, "a", LinkDown)) > 0)
+        assert a.counters["connect_refused"] >= 4
+        lines = [r.getMessage() for r in caplog.records if "connection refused" in r.getMessage()]
+        assert sum(f":{dead}" in m for m in lines) == 1, lines
+        assert sum(f":{other}" in m for m in lines) == 1, lines
+        assert len(a.sockets()) == idle_sockets, "a DEALER or monitor left open after its link went down"
+    finally:
+        a.close()
+
+
+def test_a_dial_libzmq_refuses_is_a_clear_error_that_leaves_no_socket_or_link(pair):
+    """An address libzmq itself refuses (here a host name with a space, passed unresolved as the worker's loop
+    does): connect() raises PeerUnreachable naming it, and neither the DEALER nor its socket monitor, nor a
+    half-made link, is left behind; the transport goes on serving."""
+    a, b = pair
+    before = len(a.sockets())
+    for _ in range(3):
+        with pytest.raises(PeerUnreachable, match="cannot dial control address 'bad host:5710'"):
+            a.connect("bad host:5710", resolve=False)
+    assert len(a.sockets()) == before
+    link = a.connect(b.address)
+    pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp))
+    assert a.link(link) is not None and a.link(link).state is LinkState.UP
