@@ -279,7 +279,10 @@ class ParkingLot:
         if not lease.offered:  # nothing can be read: end it now
             p.lease = None
             self.leases -= 1
-            self.drop(p, reason)
+            if p.unneeded:  # its consumer's Done stands: the tombstone stays (later stores are not parked for nobody)
+                self.maybe_close(p)
+            else:
+                self.drop(p, reason)
             return
         lease.owner = None
         lease.phase = LeasePhase.HELD

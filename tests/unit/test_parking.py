@@ -251,3 +251,22 @@ def test_an_unfinished_parcel_with_stores_is_kept_past_the_first_look():
     clock.now = 61.0
     lot.tick()
     assert "long" in lot.parcels and not reporter.events and [d for d, *_ in lot._due] == [1800.0]
+
+
+def test_a_dones_tombstone_outlives_the_close_of_a_session_whose_lease_offered_nothing():
+    """A consumer's Fetch binds a lease before anything is parked, its Done comes, then its session closes (a link
+    reset): abandon() ends the empty lease.  The Done still holds: a store that comes later is reported at once
+    (success, not parked for nobody), not pinned until park_timeout_s."""
+    clock, reporter = Clock(), Reporter()
+    lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
+    p = lot.parcel("req")
+    lot.bind(p, Lease(1, object(), {}, 20.0, 30.0))  # a consumer's fetch, nothing offered yet
+    lot.consumer_done("req")
+    lot.abandon(p, "session closed")
+    clock.now = 1.0
+    lot.store(7, "req", [b"k"], [3])
+    (done,) = [e for e in reporter.events if isinstance(e, JobDone) and e.job_id == 7]
+    assert done.success and not lot.parcels["req"].jobs
+    clock.now = 61.0
+    lot.tick()
+    assert "req" not in lot.parcels  # the tombstone still goes at the reaper's look
