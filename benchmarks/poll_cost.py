@@ -1,4 +1,4 @@
-"""What an idle P2PWorkerTier adds to vLLM's tier-poll thread (issue 16, goal 5: "adds nothing measurable").
+"""What an idle P2PWorkerTier adds to vLLM's tier-poll thread (the goal: "adds nothing measurable").
 
     .venv-vllm033/bin/python benchmarks/poll_cost.py [--seconds 5] [--rounds 4]
 

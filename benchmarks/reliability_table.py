@@ -1,10 +1,10 @@
-"""Run the fault suite and write its measured figures into the README's reliability table.
+"""Run the fault suite and write its measured figures into the reliability table of docs/reliability.md.
 
-    python benchmarks/reliability_table.py [--no-readme]
+    python benchmarks/reliability_table.py [--print-only]
 
 Runs ``pytest tests/fault`` in ``.venv`` and ``tests/fault/test_adapter_faults.py`` in ``.venv-vllm033``
 (if present) with ``P2PWORKER_FIGURES`` pointing at a scratch file; every test records what it measured
-(``tests/fault/conftest.py: figure``).  The table between the README's reliability markers is replaced.
+(``tests/fault/conftest.py: figure``).  The table between the markers in docs/reliability.md is replaced.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def run(python: str, args: list[str], figures: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--no-readme", action="store_true", help="print the table only")
+    ap.add_argument("--print-only", action="store_true", help="print the table only")
     a = ap.parse_args()
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl", delete=False) as f:
         path = f.name
@@ -46,15 +46,15 @@ def main() -> int:
     lines += [f"| {r['promise']} | {r['measured'].replace('|', '/')} | {r['bound']} |" for r in rows]
     table = "\n".join(lines)
     print(table)
-    if not a.no_readme:
-        readme = os.path.join(ROOT, "README.md")
-        text = open(readme).read()
+    if not a.print_only:
+        page = os.path.join(ROOT, "docs", "reliability.md")
+        text = open(page).read()
         if BEGIN not in text or END not in text:
-            print(f"README has no {BEGIN} ... {END} markers", file=sys.stderr)
+            print(f"docs/reliability.md has no {BEGIN} ... {END} markers", file=sys.stderr)
             return 2
         head, rest = text.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
-        with open(readme, "w") as f:
+        with open(page, "w") as f:
             f.write(f"{head}{BEGIN}\n{table}\n{END}{tail}")
     return max(codes)
 

@@ -153,7 +153,7 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     return msgspec.convert(merged, WorkerConfig, strict=True)
 
 
-# host:port, the port a number (an IPv6 literal is not supported: see README)
+# host:port, the port a number (an IPv6 literal is not supported: see docs/configuration.md)
 PeerAddress = Annotated[str, Meta(pattern=r"^[^:\s]+:[0-9]{1,5}$")]
 
 

@@ -5,7 +5,7 @@ the row is a GPU DMA, or another copy many steps later.  glibc's ``memmove`` use
 non-temporal threshold, so every destination line is first read from DRAM (read-for-ownership) and then written
 back: three DRAM transfers per byte instead of two.  glibc sets that threshold from the cache size; on the
 2-core EPYC VMs this was measured on it is 0xf000000 (240 MiB), so no copy of ours streamed.  Measured here with
-``benchmarks/stream_copy.py`` (README, "Streaming copies").
+``benchmarks/stream_copy.py`` (docs/configuration.md, "Streaming copies").
 
 The threshold is a glibc tunable, read once when a process starts: so the worker is started with it
 (:func:`worker_env`, used by ``WorkerClient``), and ``p2pworker launch`` started without it (an operator's own

@@ -190,7 +190,7 @@ class Worker:
         self._poll_epoch: tuple | None = None  # the (control sockets_epoch, lane epoch) the poller was built for
         # What the last sleep's poll found readable, for the loop turn right after it (None: no poll, read all).
         # A source it watched and did not find readable is skipped that turn: ~10 us of empty reads (admin, control
-        # sockets, lanes, bells) saved per turn, three turns per request (issue 16).
+        # sockets, lanes, bells) saved per turn, three turns per request.
         self._readable: set | None = None
         # Same-host lanes (p2pworker.control.lane), by control link, each with the session it belongs to:
         # - _lanes: ours is switched (LaneUp went out on the link: every message of the session goes on the lane);
@@ -441,7 +441,7 @@ class Worker:
             return False
         # What the sessions send about settled reads (Release to the producer) goes out after the events they
         # reported (the load's JobFinished): vLLM waits on the event, the producer only frees rows on the Release
-        # (~60 us sooner to vLLM, issue 16's profile).  The order is safe: the reads settled before either.
+        # (~60 us sooner to vLLM in benchmarks/hops' profile).  The order is safe: the reads settled before either.
         self._held_sends = []
         try:
             for tid in done:
@@ -595,7 +595,8 @@ class Worker:
                 if news is not None:
                     self._pump(*news)
             case api.LoadJob():
-                if len(cmd.keys) > self.counters["largest_load_keys"]:  # inspect shows it (issue 13's e2e reads it)
+                # inspect shows it (tests/e2e/test_long_prompt.py reads it)
+                if len(cmd.keys) > self.counters["largest_load_keys"]:
                     self.counters["largest_load_keys"] = len(cmd.keys)
                 if self._refuse(cmd.job_id, "load"):
                     return

@@ -14,7 +14,7 @@ case "$MODE" in
 esac
 PY=${PYTHON:-python3}
 pipq() { "$1"/bin/python -m pip install -q "${@:2}"; }
-# NIXL's build for the CUDA major of the environment (README "Install into a vLLM image"): cu13 matches
+# NIXL's build for the CUDA major of the environment (docs/install.md "Install into a vLLM image"): cu13 matches
 # vllm 0.33's torch (CUDA 13.0); on a machine without a GPU either build serves DRAM.
 NIXL_EXTRA=${NIXL_EXTRA:-cu13}
 

@@ -107,7 +107,7 @@ class _Kind(enum.Enum):
     GAUGE = "gauge"
 
 
-# The tier's own series on vLLM's /metrics (README "Metrics"; dashboards/p2pworker.json queries them).
+# The tier's own series on vLLM's /metrics (docs/configuration.md "Metrics"; dashboards/p2pworker.json queries them).
 M_LOADS = "vllm:kv_offload_p2pworker_loads"
 M_STORES = "vllm:kv_offload_p2pworker_stores"
 M_DEATHS = "vllm:kv_offload_p2pworker_worker_deaths"
@@ -703,7 +703,7 @@ class P2PWorkerTier(SecondaryTierManager):
     def on_schedule_end(self, context) -> None:
         # The manager calls this after it flushed the step's promotions (submit_load): hand those commands to the
         # worker now, not at the tier-poll thread's next round (82 us median, 276 us p90 later, measured in
-        # pd_tier; issue 16).  A non-blocking ring put under the manager lock, which the poll thread's own flush
+        # pd_tier).  A non-blocking ring put under the manager lock, which the poll thread's own flush
         # also holds, so the ring keeps one writer at a time.  Without a poll thread (0.32): the once-per-step flush.
         if self._outbox or time.monotonic() - self._off_thread_poll_at > POLL_THREAD_GONE_S:
             self._flush()
@@ -721,7 +721,7 @@ class P2PWorkerTier(SecondaryTierManager):
     def _open_ahead(self, address: str) -> None:
         """A request that will look up and load from ``address`` arrived: have the worker open that session now, so
         the handshake (and on one host the handover and lane) runs while vLLM schedules the request instead of
-        after its first load is submitted (issue 16: first contact).  Not a listed peer: opened once, not kept."""
+        after its first load is submitted (first contact).  Not a listed peer: opened once, not kept."""
         now = time.monotonic()
         if now - self._opened_ahead.get(address, -OPEN_AHEAD_S) < OPEN_AHEAD_S or not self._serving():
             return

@@ -2,7 +2,8 @@
 
 The "prefill" side stores each request's blocks (StoreJob: they park in its
 worker); the "decode" side loads them into rows it grants (LoadJob: its
-worker fetches, the prefill worker writes with the data transport).  Used by
+worker fetches: the prefill worker offers the leased rows and the decode
+worker reads them with the data transport).  Used by
 ``p2pworker demo`` (verifies every byte) and ``p2pworker bench``.
 """
 

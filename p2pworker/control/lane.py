@@ -2,8 +2,8 @@
 
 Why: on one host a ZMQ message wakes four threads (our I/O thread, the peer's I/O thread, then the peer's loop;
 the same back), and a Fetch/Offer round trip between two sleeping workers took 410-520 us here against 41 us
-over a local socket pair (issue 16's profile, README "Measured").  The lane is opened by the session that dialed
-the control link, to its peer's handover socket, once both ends proved the key that session sent in its Hello
+over a local socket pair (benchmarks/hops' profile, benchmarks/README.md).  The lane is opened by the session that
+dialed the control link, to its peer's handover socket, once both ends proved the key that session sent in its Hello
 (:class:`p2pworker.data.handover.LaneDial`).  The control link stays: heartbeats, liveness, the handshake.
 
 Order: each direction switches once.  A worker whose lane is up sends ``LaneUp`` on the control link and every

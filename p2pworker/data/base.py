@@ -95,7 +95,7 @@ def split_runs(runs: np.ndarray, block_bytes: int, max_piece_bytes: int) -> list
 
 
 # Up to this many rows given as lists (what the sessions post), plain Python checks and coalesces them: numpy's
-# fixed cost per call (~3 us, a dozen calls) was most of read_blocks for a 64-row request (issue 16's profile).
+# fixed cost per call (~3 us, a dozen calls) was most of read_blocks for a 64-row request (benchmarks/hops' profile).
 SMALL_ROWS = 512
 
 

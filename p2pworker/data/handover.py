@@ -199,8 +199,8 @@ class HandoverServer:
         self.name = NAME_PREFIX + secrets.token_hex(8)  # abstract: nothing in any filesystem to leak
         self._closed = False
         self._conns: dict[int, _Conn] = {}
-        # Lanes (README "Same-host lane"): the worker's loop says which session keys to expect (lane id -> (key,
-        # link)); proven lanes wait in _ready for it, and a byte on the wake pipe tells its poll.  One lock: the
+        # Lanes (docs/protocol.md "Same-host lane"): the worker's loop says which session keys to expect (lane id ->
+        # (key, link)); proven lanes wait in _ready for it, and a byte on the wake pipe tells its poll.  One lock: the
         # loop and this thread both touch them.
         self._lock = threading.Lock()
         self._expected: dict[bytes, tuple[bytes, bytes, str]] = {}  # lane id -> (key, lane_ids, link)

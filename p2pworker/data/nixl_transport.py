@@ -1,6 +1,6 @@
 """NIXL data transport: UCX backend, DRAM to DRAM; the consumer READs the producer's rows.
 
-What shapes it (../shared/NIXL_NOTES.md, re-measured here):
+What shapes it (measured here):
 
 - Pull: ``initialize_xfer("READ", local, remote, name)`` copies the peer's
   rows into ours, so only this process ever writes our region (invariant 7).

@@ -302,10 +302,10 @@ def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
 def auto_copy_threads(cpus: int) -> int:
     """``copy_threads = 0``: how many threads share a large same-host copy on a host where this process may run on
     ``cpus`` CPUs (:func:`available_cpus`).  Below 4, one (the loop's own): a helper waits for a core that vLLM's
-    schedulers and the peer's worker need, and pd_tier on 2 CPUs was as fast or faster with one (README, "Copy
-    threads").  Two from 4 up, where a helper can have a core of its own: a second thread doubled a 16 MiB copy
-    (48-51 vs 24-35 GB/s) in a process that had both of this 2-CPU machine's cores to itself.  The threshold of 4
-    itself was not measured (no larger host here)."""
+    schedulers and the peer's worker need, and pd_tier on 2 CPUs was as fast or faster with one
+    (benchmarks/README.md, "Copy threads").  Two from 4 up, where a helper can have a core of its own: a second
+    thread doubled a 16 MiB copy (48-51 vs 24-35 GB/s) in a process that had both of this 2-CPU machine's cores to
+    itself.  The threshold of 4 itself was not measured (no larger host here)."""
     return 1 if cpus < AUTO_COPY_MIN_CPUS else 2
 
 
@@ -353,7 +353,7 @@ class Copier:
             self._copy_runs(source.address, runs)
         else:
             # Chunks taken in turn, not one equal share per thread: on a busy box a helper may wait for a core, and
-            # an equal split would leave this thread waiting for it with its own share done (issue 16's 128 MiB
+            # an equal split would leave this thread waiting for it with its own share done (pd_tier's 128 MiB
             # trace: loop thread 10.4 ms of CPU in a 22.4 ms load).  Whoever runs copies.
             chunks = split_runs(runs, self._bb, self.chunk_bytes)
             counter = itertools.count()

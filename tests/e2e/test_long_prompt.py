@@ -1,4 +1,4 @@
-"""End to end, any prompt length (issue 13): a real PD pair of `vllm serve` answering a prompt whose KV spans more
+"""End to end, any prompt length: a real PD pair of `vllm serve` answering a prompt whose KV spans more
 chunks than one ring slot could carry before (~1,500 keys per job): 52,000 tokens in blocks of 32 tokens (the
 smallest block vLLM's CPU backend accepts; 16 is refused) is 1,625 chunks, loaded by the decode engine as one job.
 

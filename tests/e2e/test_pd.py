@@ -232,7 +232,7 @@ def test_each_role_listens_where_pd_sh_was_told(pd):
     (st,) = json.loads(res.stdout)
     assert st["address"].startswith("tcp://127.0.0.2:"), st["address"]
     # both engines on this host, sharing /dev/shm and the PID namespace: the decode worker copies the prefill
-    # engine's rows out of its region file (issue 16's same-host path), the session made by this module's requests
+    # engine's rows out of its region file (the same-host path), the session made by this module's requests
     up = [(s["data_path"], s["data_path_why"]) for s in st["sessions"] if s["state"] == "active"]
     assert up and set(up) == {("same_host", "")}, st["sessions"]
     assert pd.env["DECODE_HOST"] == "127.0.0.2" and pd.url("decode").startswith("http://127.0.0.2:")

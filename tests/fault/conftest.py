@@ -1,5 +1,5 @@
 """Fault suite harness: real workers (``p2pworker launch``) on loopback, each with its own KV region,
-driven through their rings as the vLLM adapter would; figures collected for the README table."""
+driven through their rings as the vLLM adapter would; figures collected for the table in docs/reliability.md."""
 
 from __future__ import annotations
 

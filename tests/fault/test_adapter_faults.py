@@ -68,7 +68,7 @@ def test_worker_sigkill_under_load_fails_every_job_once_within_1s(free_port, fig
 
 
 def test_worker_sigstopped_under_the_adapter_fails_jobs_and_recovers(free_port, figures, monkeypatch):
-    """(issue 12 f) A wedged worker (SIGSTOP: its pid lives, its loop does not): the tier notices the missing
+    """A wedged worker (SIGSTOP: its pid lives, its loop does not): the tier notices the missing
     heartbeats within worker_stall_s (2 s here), SIGKILLs it, reports every in-flight job failed exactly once
     only after it is gone (a resumed worker could still copy into rows vLLM reused), and a restarted worker
     serves the next request."""
@@ -98,7 +98,7 @@ def test_worker_sigstopped_under_the_adapter_fails_jobs_and_recovers(free_port, 
 
 
 def test_nixl_failing_at_registration_fails_vllm_start_with_the_cause(free_port, monkeypatch, tmp_path):
-    """(issue 12 g) backend nixl and a NIXL that fails to register memory: the tier's constructor (vLLM's
+    """Backend nixl and a NIXL that fails to register memory: the tier's constructor (vLLM's
     engine start) fails within seconds naming the cause, instead of "did not become ready" after 120 s, and
     no worker is restarted in a loop."""
     from p2pworker.errors import P2PError

@@ -1,7 +1,7 @@
-"""Fault suite, "never a wrong byte" (issue 12): real workers, real NIXL (or the ZMQ fallback where named),
+"""Fault suite, "never a wrong byte": real workers, real NIXL (or the ZMQ fallback where named),
 each test one promise (its docstring).
 
-The promise behind all of them (DESIGN.md invariant 7): a row of an engine's region is written only by that
+The promise behind all of them (invariant 7, docs/invariants.md): a row of an engine's region is written only by that
 engine's own worker, never after the job that covers it was reported; a load reports a key as moved only
 with that key's bytes.  The tests fill rows with a canary after a report and check that nothing changes
 them afterwards, and compare every successful load byte for byte.

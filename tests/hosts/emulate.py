@@ -1,4 +1,4 @@
-"""Two hosts emulated for real on one machine, for tests of what crosses a network (issue 15).
+"""Two hosts emulated for real on one machine, for tests of what crosses a network.
 
 Each host is a network namespace with its own veth end and address (10.77.<n>.1 and .2), its own PID and IPC
 namespaces and its own /dev/shm (a private tmpfs in its own mount namespace).  Both are needed for the data to

@@ -1,4 +1,4 @@
-"""Across hosts (issue 15): two workers on two emulated hosts (tests/hosts/emulate.py: network namespaces joined
+"""Across hosts: two workers on two emulated hosts (tests/hosts/emulate.py: network namespaces joined
 by a veth, each with its own PID namespace and /dev/shm), so the KV bytes cross a network interface over UCX's TCP
 transport, not cross-memory attach.  Byte-exact transfers, a peer host nobody answers on, and the wire cut under a
 load and restored."""
@@ -130,7 +130,7 @@ def test_the_wire_cut_under_a_load_then_restored(tmp_path):
             # The same long cut with a READ in flight can also end the PRODUCER's worker: UCX over TCP aborts the
             # process when that endpoint times out ("ucp_request.inl ... Fatal: unexpected error: Endpoint timeout",
             # seen once in CI, 2026-12-02).  No row is written by anyone; its adapter fails its store jobs and starts
-            # a new worker.  Left open (the closing note of session 9): its exit code is not held to 0 here.
+            # a new worker.  Left open: its exit code is not held to 0 here.
             hosts.died.add("a")
             outcome = f"consumer worker exited (code {out['worker_exit']}) after {took:.1f} s: reads did not settle"
         print(f"wire cut mid-transfer: {outcome}")

@@ -1,4 +1,4 @@
-"""The same-host copy path between two real workers (issue 16): taken when the handshake proves the consumer sees
+"""The same-host copy path between two real workers: taken when the handshake proves the consumer sees
 the producer's region file and process, refused (and NIXL used, with the same bytes) when it does not: a consumer
 in its own mount namespace with a private /dev/shm (a container), even one holding a file at the producer's very
 path; and never taken when turned off.  ``p2pworker inspect`` (the worker's status) says which path each session

@@ -256,7 +256,7 @@ def sessions_of(admin_path) -> list[dict]:
 
 
 def test_a_listed_peer_is_connected_before_any_request_even_one_that_starts_later(shm_prefix, tmp_path):
-    """The tier's `peers` (issue 16): the adapter sends OpenSession for each once its worker is ready; the worker
+    """The tier's `peers`: the adapter sends OpenSession for each once its worker is ready; the worker
     connects and keeps the session, so the first request finds it (and its data path) set up.  Here the peer
     starts only after it was listed (a decode engine up before its prefill engine)."""
     port = free_port()

@@ -1,5 +1,5 @@
-"""Every relative link in README.md and docs/ resolves: the file exists, and a ``#anchor`` names a heading of it
-(GitHub's slugs), so a newcomer's reading path never ends in a 404."""
+"""Every relative link in README.md, docs/, benchmarks/ and deploy/ resolves: the file exists, and a ``#anchor``
+names a heading of it (GitHub's slugs), so a newcomer's reading path never ends in a 404."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+DIRS = ("docs", "benchmarks", "deploy")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
 
 def _pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
+    return [ROOT / "README.md", *(p for d in DIRS for p in sorted((ROOT / d).rglob("*.md")))]
 
 
 def slug(heading: str) -> str:

@@ -19,7 +19,8 @@ from p2pworker.router.server import Router, RouterConfig
 
 K8S_VERSION = "1.33.0"  # pinned: what the manifests are checked against
 DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-SECRET = ("p2pworker-secret", "secret")  # README "Kubernetes": kubectl create secret generic p2pworker-secret ...
+# docs/deployment.md "Kubernetes": kubectl create secret generic p2pworker-secret ...
+SECRET = ("p2pworker-secret", "secret")
 VLLM_SHM_HEADROOM = 2 << 30  # vLLM's own /dev/shm use (its Kubernetes guide mounts 2Gi)
 
 

@@ -1,6 +1,6 @@
 """The parking lot's job bookkeeping against a key-by-key reference model.
 
-``ParkingLot.release`` and ``store`` work per store job with set operations (issue 16: a 64-key Release cost ~100 us
+``ParkingLot.release`` and ``store`` work per store job with set operations (a 64-key Release cost ~100 us
 key by key).  The reference below is the plain statement of the rules (p2pworker/session/parking.py's docstring),
 one key at a time: a store job succeeds when every key it parked was read by a consumer, or when the request is
 finished and served with the rest never asked for; it fails when an offered key was not read.  Random stores

@@ -1,6 +1,6 @@
 """Random interleavings of everything that can happen to a pair of sessions, checked against the byte-level model.
 
-What is promised (DESIGN.md invariants 1 and 7; issue 12), checked after every step:
+What is promised (invariants 1 and 7, docs/invariants.md), checked after every step:
 (1) no byte lands in a consumer row unless the load that was granted that row is still open
     (nothing lands after the load was reported: vLLM may already have reused the row);
 (2) no producer row is handed back to vLLM while a read of it can still count: every key a load reports

@@ -1,4 +1,4 @@
-"""Any prompt length (invariant 8, issue 13) under vLLM's real TieringOffloadingManager (0.32 and 0.33), real workers.
+"""Any prompt length (invariant 8) under vLLM's real TieringOffloadingManager (0.32 and 0.33), real workers.
 
 A 128k-token prompt is 8,192 chunks of 16 tokens and a 1M-token prompt 65,536: one load job of that many keys
 crosses the command ring (spanning slots), the control plane (Fetch/Offer/Release in parts) and NIXL.  Chunks

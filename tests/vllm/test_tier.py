@@ -66,7 +66,7 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
         decode.mgr.on_new_request(ctx)
     assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
     decode.step(["d-req"])  # submit_load: one batched job
-    # handed to the worker by that step's on_schedule_end, not left for a later poll round (issue 16)
+    # handed to the worker by that step's on_schedule_end, not left for a later poll round
     assert decode.tier._outbox == [] and decode.tier._jobs
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
     assert decode.lookup(ctx, ids) == [LookupResult.HIT] * len(ids)
@@ -109,7 +109,7 @@ def test_listed_peers_are_connected_before_any_request(free_port):
 
 
 def test_a_request_that_will_load_opens_its_session_before_any_lookup_and_does_not_keep_it(pd):
-    """A decode request's on_new_request has the worker open the producer's session at once (issue 16: first
+    """A decode request's on_new_request has the worker open the producer's session at once (first
     contact), before vLLM looks up a key or submits a load; the peer is not kept (not listed), it is asked once per
     OPEN_AHEAD_S whatever the number of requests, and the first load uses that session."""
     from p2pworker import admin
