@@ -53,6 +53,7 @@ from p2pworker.errors import (
     TransferFailed,
 )
 from p2pworker.fingerprint import Fingerprint
+from p2pworker.instruments import Instruments
 from p2pworker.protocol.messages import PROTOCOL_VERSION, Bye, LaneUp, decode, encode
 from p2pworker.session import (
     Action,
@@ -203,6 +204,8 @@ class Worker:
         self._lane_epoch = 0
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.identity: dict = {}  # the adapter's KV identity (model, dtype, ...) from AttachRegion; metric labels
+        # the named points test hooks implement (p2pworker/instruments.py); nothing runs at them by default
+        self.instruments = Instruments()
         self.metrics = None
         if cfg.metrics_port:
             from p2pworker.metrics import Metrics
@@ -572,6 +575,7 @@ class Worker:
             did = True
             self.counters["commands"] += 1
             try:
+                self.instruments.on_command(cmd)
                 self._handle(cmd)
             except P2PError as e:
                 attach = isinstance(cmd, api.AttachRegion)
@@ -679,6 +683,7 @@ class Worker:
     def _attach(self, cmd: api.AttachRegion) -> None:
         if self.region is not None:
             raise P2PError("a region is attached already")
+        self.instruments.on_attach(cmd)
         why = api.ring_api_mismatch(cmd.api, "the adapter that created our rings")
         if why is not None:
             raise RingApiMismatch(why, cmd.api, api.RING_API)
@@ -718,8 +723,9 @@ class Worker:
         log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s, same-host copies on %d "
                  "thread(s)", region.num_blocks, region.block_bytes, ctl.address, data.backend,
                  self.fingerprint.digest, copy_threads)
-        self._emit(api.Ready(ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint,
-                             api=api.RING_API, hold_s=longest_hold_s(cfg.session)))
+        self._emit(self.instruments.on_ready(api.Ready(
+            ctl.node_id, ctl.address, data.backend, self.fingerprint.digest, self.admin.endpoint, api=api.RING_API,
+            hold_s=longest_hold_s(cfg.session))))
 
     # ------------------------------------------------------------ sessions
     def _session_for(self, address: str, cmd: Any = None) -> tuple[Session | None, str]:
@@ -1032,8 +1038,10 @@ class Worker:
     def _take_reported(self) -> None:
         """The sessions' events (session.reporter's vocabulary) into the adapter's (api), in order."""
         for ev in self.reporter.take():
-            if isinstance(ev, JobDone) and not ev.success:
-                self._log_failed(ev)
+            if isinstance(ev, JobDone):
+                self.instruments.on_job_done(ev)  # a load's reads settled; not yet queued for the adapter
+                if not ev.success:
+                    self._log_failed(ev)
             elif isinstance(ev, SessionClosed):
                 log.info("session with %s closed: %s", ev.peer_id or "?", ev.reason)
             self.pending.append(_to_api(ev))
@@ -1273,8 +1281,9 @@ def _to_api(ev: ReportedEvent) -> api.Event:
 
 def install_hook(worker: Worker, env=os.environ) -> str | None:
     """The one extension point: ``$P2PWORKER_HOOK=module:function`` calls ``function(worker)`` before the worker
-    runs (tests/hooks/corrupt_loads.py, the e2e negative control, wraps two of its methods).  Test code only: it
-    runs inside the worker with full access, so the worker logs a warning naming it.  Returns what was installed."""
+    runs; the function sets ``worker.instruments`` to its own :class:`~p2pworker.instruments.Instruments` (e.g.
+    tests/hooks/corrupt_loads.py, the e2e negative control).  Test code only: it runs inside the worker with full
+    access, so the worker logs a warning naming it.  Returns what was installed."""
     spec = env.get(HOOK_ENV)
     if not spec:
         return None

@@ -5,8 +5,8 @@ Loaded into the decode engine's spawned worker with ``P2PWORKER_HOOK=tests.hooks
 the wrong places), so the engine's output must differ from the single engine's: proof that the equality tests can
 fail.
 
-Row writes (invariant 7): our own rows, by the worker's own thread, in ``reporter.take`` — before the load's
-JobFinished is queued for the adapter — so never after the job was reported.
+Row writes (invariant 7): our own rows, by the worker's own thread, at the instrument point ``on_job_done`` (the
+load's reads settled, its JobFinished not yet queued for the adapter), so never after the job was reported.
 """
 
 from __future__ import annotations
@@ -16,30 +16,32 @@ import logging
 import numpy as np
 
 from p2pworker import api
+from p2pworker.instruments import Instruments
 from p2pworker.session.reporter import JobDone
 
 log = logging.getLogger("tests.hooks.corrupt_loads")
 
 
-def install(worker) -> None:
-    rows_of_job: dict[int, dict[bytes, int]] = {}
-    handle, take = worker._handle, worker.reporter.take
+class CorruptLoads(Instruments):
+    """Notes each load's rows when its command arrives; rotates them when the load ends, before it is reported."""
 
-    def handle_and_note(cmd) -> None:
+    def __init__(self, worker):
+        self.worker = worker
+        self.rows_of_job: dict[int, dict[bytes, int]] = {}
+
+    def on_command(self, cmd) -> None:
         if isinstance(cmd, api.LoadJob):
-            rows_of_job[cmd.job_id] = dict(zip(cmd.keys, cmd.rows))
-        handle(cmd)
+            self.rows_of_job[cmd.job_id] = dict(zip(cmd.keys, cmd.rows))
 
-    def take_and_scramble():
-        events = take()
-        for ev in events:
-            if isinstance(ev, JobDone) and ev.kind == "load":
-                rows = rows_of_job.pop(ev.job_id, {})
-                if worker.region is not None:  # the keys that moved (all of them on success)
-                    _scramble(worker, [rows[k] for k in ev.keys if k in rows])
-        return events
+    def on_job_done(self, ev: JobDone) -> None:
+        if ev.kind == "load":
+            rows = self.rows_of_job.pop(ev.job_id, {})
+            if self.worker.region is not None:  # the keys that moved (all of them on success)
+                _scramble(self.worker, [rows[k] for k in ev.keys if k in rows])
 
-    worker._handle, worker.reporter.take = handle_and_note, take_and_scramble
+
+def install(worker) -> None:
+    worker.instruments = CorruptLoads(worker)
     log.warning("test hook: this worker CORRUPTS every block it loads")
 
 

@@ -11,13 +11,19 @@ from __future__ import annotations
 import time
 
 from p2pworker import api
+from p2pworker.instruments import Instruments
 
 
-def install(worker) -> None:
-    def failed(cmd) -> None:
+class FailedAttachStuck(Instruments):
+    def __init__(self, worker):
+        self.worker = worker
+
+    def on_attach(self, cmd) -> None:
         # straight into the event ring: the loop that would send it never runs again
-        worker.evt.try_put(api.WorkerError("AttachRegion: test hook: cannot attach (then stuck)", False, True))
+        self.worker.evt.try_put(api.WorkerError("AttachRegion: test hook: cannot attach (then stuck)", False, True))
         while True:
             time.sleep(3600)
 
-    worker._attach = failed  # the command loop looks it up per command, after this hook ran
+
+def install(worker) -> None:
+    worker.instruments = FailedAttachStuck(worker)

@@ -7,15 +7,17 @@ operator-launched worker of an older image would send it.  The adapter must refu
 
 from __future__ import annotations
 
+import msgspec
+
 from p2pworker import api
+from p2pworker.instruments import Instruments
+
+
+class OldRelease(Instruments):
+    def on_ready(self, ready: api.Ready) -> api.Ready:
+        # the fields an older release did not send, at the defaults its Ready decodes with
+        return msgspec.structs.replace(ready, api=0, hold_s=0.0)
 
 
 def install(worker) -> None:
-    ready = api.Ready
-
-    def old_ready(*args, **kw):
-        kw.pop("api", None)
-        kw.pop("hold_s", None)
-        return ready(*args, **kw)
-
-    api.Ready = old_ready  # the worker looks api.Ready up when it attaches, after this hook ran
+    worker.instruments = OldRelease()

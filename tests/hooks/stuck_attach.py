@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import time
 
+from p2pworker.instruments import Instruments
 
-def install(worker) -> None:
-    def stuck(cmd) -> None:
+
+class StuckAttach(Instruments):
+    def on_attach(self, cmd) -> None:
         while True:
             time.sleep(3600)
 
-    worker._attach = stuck  # the command loop looks it up per command, after this hook ran
+
+def install(worker) -> None:
+    worker.instruments = StuckAttach()

@@ -1,0 +1,50 @@
+"""The worker's instrument points (p2pworker/instruments.py): the default does nothing and changes nothing, and the
+worker calls every point it declares, so a hook that implements one is reached (renaming a worker method cannot
+silently cut a hook off: hooks name only these points)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from p2pworker import api, worker
+from p2pworker.instruments import Instruments
+from p2pworker.session.reporter import JobDone
+
+
+def _points() -> set[str]:
+    return {n for n, f in inspect.getmembers(Instruments, inspect.isfunction) if n.startswith("on_")}
+
+
+def test_the_default_instruments_do_nothing_and_pass_the_ready_through():
+    ins = Instruments()
+    ready = api.Ready("n", "127.0.0.1:1", "zmq", "d", "/tmp/a", api=api.RING_API, hold_s=1.0)
+    assert ins.on_ready(ready) is ready
+    assert ins.on_command(api.Drain()) is None
+    assert ins.on_attach(None) is None
+    assert ins.on_job_done(JobDone(1, "load", True, (), 0, 0.0, "")) is None
+
+
+def test_the_worker_calls_every_instrument_point_and_nothing_else_of_them():
+    tree = ast.parse(Path(inspect.getsourcefile(worker)).read_text())
+    called = {node.func.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "instruments"}
+    assert _points() == {"on_command", "on_attach", "on_ready", "on_job_done"}
+    assert called == _points(), f"declared {sorted(_points())}, called {sorted(called)}"
+
+
+def test_the_hooks_the_suite_uses_implement_only_declared_points():
+    import tests.hooks.corrupt_loads as corrupt
+    import tests.hooks.failed_attach_stuck as failed
+    import tests.hooks.old_release as old
+    import tests.hooks.stuck_attach as stuck
+
+    for module in (corrupt, failed, old, stuck):
+        classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
+                   if issubclass(c, Instruments) and c is not Instruments]
+        assert classes, f"{module.__name__}: no Instruments subclass"
+        for cls in classes:
+            own = {n for n in vars(cls) if n.startswith("on_")}
+            assert own and own <= _points(), f"{cls.__name__} overrides {own - _points()} (not a point)"
