@@ -3,11 +3,11 @@
     .venv/bin/python benchmarks/hosts_bench.py [--sizes-mib 1 16 64] [--reps 5] [--rounds 2] [--same-host]
                                               [--json out.json]
 
-Two hosts as in tests/hosts/emulate.py (network namespaces joined by a veth, own PID/IPC namespaces and /dev/shm:
-UCX goes over TCP on the veth; where namespaces are refused, loopback with UCX_TLS=tcp,self, and the output says
-which).  Per size, alternated in ``--rounds`` blocks of ``--reps`` each: "workers" = producer stores, consumer loads
-(command on the consumer's ring to its report, as tests/hosts/agent.py times it); "raw_nixl" = a READ of the same
-rows by a plain NIXL agent in the consumer host's process from one in the producer host's process, whose target
+Two hosts as in tests/helpers/hosts/emulate.py (network namespaces joined by a veth, own PID/IPC namespaces and
+/dev/shm: UCX goes over TCP on the veth; where namespaces are refused, loopback with UCX_TLS=tcp,self, and the output
+says which).  Per size, alternated in ``--rounds`` blocks of ``--reps`` each: "workers" = producer stores, consumer
+loads (command on the consumer's ring to its report, as tests/helpers/hosts/agent.py times it); "raw_nixl" = a READ of
+the same rows by a plain NIXL agent in the consumer host's process from one in the producer host's process, whose target
 side runs a progress thread (every 0.1 ms: the best a passive target can do over TCP).  256 KiB blocks.  Medians,
 and workers / raw.  Root needed for the namespaces.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.hosts.emulate import two_hosts  # noqa: E402
+from tests.helpers.hosts.emulate import two_hosts  # noqa: E402
 
 BLOCK = 256 * 1024
 

@@ -5,7 +5,7 @@
 
 Checks the claim "idle CPU of an engine with the tier stays < 2 % of a core above vLLM's own".
 
-Two engines, as scripts/pd.sh starts them (vLLM's CPU backend, the tiny test model of tests/e2e/tiny_model.py,
+Two engines, as scripts/pd.sh starts them (vLLM's CPU backend, the tiny test model of tests/helpers/tiny_model.py,
 ``--enforce-eager --dtype float32 --max-model-len 2048 --max-num-seqs 8 --shutdown-timeout 10``,
 VLLM_CPU_KVCACHE_SPACE=1, HTTP on 127.0.0.1):
 
@@ -49,7 +49,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.ports import free_ports  # noqa: E402
+from tests.helpers.ports import free_ports  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 CONFIGS = ("tier", "no_tier")
@@ -381,7 +381,7 @@ def main() -> int:
         args.model = model_tmp
     if not os.path.exists(os.path.join(args.model, "config.json")):
         t0 = time.monotonic()
-        subprocess.run([py, "-m", "tests.e2e.tiny_model", args.model], cwd=ROOT, check=True,
+        subprocess.run([py, "-m", "tests.helpers.tiny_model", args.model], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
         print(f"built the tiny model in {args.model} ({time.monotonic() - t0:.0f} s)", flush=True)
 

@@ -3,7 +3,7 @@
     .venv-vllmcpu032/bin/python benchmarks/pd_starts.py [--starts 10] [--json out.json]
 
 Each round starts a fresh PD pair of `vllm serve` engines and the router exactly as the e2e suite does
-(tests/e2e/conftest.py: the tiny model, vLLM's CPU backend, loopback), sends one 300-token request through the
+(tests/helpers/e2e.py: the tiny model, vLLM's CPU backend, loopback), sends one 300-token request through the
 router the moment ``pd.sh start`` returns, reads the decode engine's P2P prompt tokens for it, and stops the pair,
 checking the stop was clean (no force-kill, nothing left in /dev/shm or /tmp).  A start whose first request was
 recomputed (0 P2P tokens) is a failure: before the router waited for its instances, 2 of 6 starts of a 12-prompt
@@ -25,8 +25,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.e2e.conftest import PD, running  # noqa: E402  (the e2e suite's own start/stop and checks)
-from tests.e2e.tiny_model import build  # noqa: E402
+from tests.helpers.e2e import PD, running  # noqa: E402  (the e2e suite's own start/stop and checks)
+from tests.helpers.tiny_model import build  # noqa: E402
 
 
 def main() -> int:

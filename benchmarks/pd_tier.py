@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.ports import free_ports  # noqa: E402  (ports below the ephemeral range: no other bind(0) takes them)
+from tests.helpers.ports import free_ports  # noqa: E402  (ports below the ephemeral range: no other bind(0) takes them)
 
 TIER_METHODS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "on_new_request",
                 "on_request_finished", "serve_external_requests", "has_pending_work", "on_schedule_end", "touch",

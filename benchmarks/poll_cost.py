@@ -3,8 +3,9 @@
     .venv-vllm033/bin/python benchmarks/poll_cost.py [--seconds 5] [--rounds 4]
 
 One real ``TieringOffloadingManager`` (vLLM 0.33) whose only secondary tier is P2PWorkerTier with its spawned worker
-(tests/vllm/harness.py's ``Engine``), nothing in flight.  vLLM's tier-poll thread (``vllm_offload_tier_poll``) runs a
-round every 1 ms and calls the tier's ``get_finished_jobs``.  For ``--seconds`` at a time, alternated ``--rounds``
+(tests/helpers/vllm_engines.py's ``Engine``), nothing in flight.  vLLM's tier-poll thread (``vllm_offload_tier_poll``)
+runs a round every 1 ms and calls the tier's ``get_finished_jobs``.  For ``--seconds`` at a time, alternated
+``--rounds``
 times, that thread calls either the tier's own ``get_finished_jobs`` or a stub returning nothing (the round's cost
 to vLLM without us: its lock, its sleep, its loop); both through the same counting wrapper.  Prints, per mode, the
 thread's CPU (its own CPU clock, ns resolution) as a share of a core and per call, medians over the rounds; the
@@ -29,8 +30,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
     os.environ.setdefault("P2PWORKER_SECRET", "poll-cost-bench")  # one engine, no peer: any secret will do
-    from tests.ports import free_port
-    from tests.vllm.harness import Engine
+    from tests.helpers.ports import free_port
+    from tests.helpers.vllm_engines import Engine
 
     eng = Engine("pollcost", free_port())
     try:

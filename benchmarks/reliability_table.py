@@ -4,7 +4,7 @@
 
 Runs ``pytest tests/fault`` in ``.venv`` and ``tests/fault/test_adapter_faults.py`` in ``.venv-vllm033``
 (if present) with ``P2PWORKER_FIGURES`` pointing at a scratch file; every test records what it measured
-(``tests/fault/conftest.py: figure``).  The table between the markers in docs/reliability.md is replaced.
+(``tests/helpers/fault.py: figure``).  The table between the markers in docs/reliability.md is replaced.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pd_tier import Timed, build  # noqa: E402  (a sibling script, not a package)
 
-from tests.ports import free_port  # noqa: E402  (pd_tier put the repository root on sys.path)
+from tests.helpers.ports import free_port  # noqa: E402  (pd_tier put the repository root on sys.path)
 
 ROW = 4096
 

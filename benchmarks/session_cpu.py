@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/session_cpu.py [--keys 64] [--requests 3000] [--tree DIR]
 
-``--tree``: the checkout whose p2pworker (and tests/unit/session_harness.py) is measured, e.g. a git worktree of
+``--tree``: the checkout whose p2pworker (and tests/helpers/session.py) is measured, e.g. a git worktree of
 another revision (default: this one).
 
-A handshaken consumer/producer pair (tests/unit/session_harness.py) runs ``--requests`` requests of ``--keys``
+A handshaken consumer/producer pair (tests/helpers/session.py) runs ``--requests`` requests of ``--keys``
 keys: the producer parks a store (``store``), the consumer loads (``load``), the producer answers its Fetch
 (``fetch->offer``), the consumer turns the Offer into a read (``offer->post``), the read settles (``settle``) and
 the producer takes the Release (``release``).  Encoding the frames is outside the timed steps, decoding inside.
@@ -30,7 +30,7 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.tree))
     from p2pworker.protocol import messages as m
-    from tests.unit.session_harness import Pair
+    from tests.helpers.session import Pair
 
     k = args.keys
     p = Pair(a={"num_blocks": 32 * k}, b={"num_blocks": 32 * k}).handshake()

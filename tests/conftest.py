@@ -45,8 +45,8 @@ def no_shm_leftovers_after_suite():
 @pytest.fixture
 def free_port():
     """A function returning a loopback TCP port that was free a moment ago (outside the ephemeral range:
-    tests/ports.py says why)."""
-    from tests.ports import free_port as get
+    tests/helpers/ports.py says why)."""
+    from tests.helpers.ports import free_port as get
 
     return get
 

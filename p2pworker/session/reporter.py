@@ -55,7 +55,6 @@ class Reporter:
         self._open: dict[int, tuple[str, float]] = {}
         self._lookups: set[int] = set()
         self.events: list[Event] = []
-        self.late = 0  # completions that arrived after their job was reported (ignored)
 
     def open(self, job_id: int, kind: str, t_submit: float) -> None:
         if job_id in self._open:

@@ -856,9 +856,5 @@ class Session:
         return len(self._loads)
 
     @property
-    def pending_reads(self) -> int:
-        return len(self._reads)
-
-    @property
     def leases(self) -> int:
         return len(self._parcels)

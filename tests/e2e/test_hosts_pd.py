@@ -1,6 +1,6 @@
 """End to end across emulated hosts: the prefill engine on host A, the decode engine and the router on host B
-(tests/hosts/emulate.py: network namespaces joined by a veth, each host with its own PID and IPC namespaces and a
-private /dev/shm), each role started by `scripts/pd.sh start ROLE...` inside its host as on two machines.  The KV
+(tests/helpers/hosts/emulate.py: network namespaces joined by a veth, each host with its own PID and IPC namespaces and
+a private /dev/shm), each role started by `scripts/pd.sh start ROLE...` inside its host as on two machines.  The KV
 must cross the veth over TCP: neither shared memory nor cross-memory attach can reach the other host.
 
 This file runs before test_long_prompt.py and test_pd.py (file order), so the main pair is not up meanwhile.
@@ -17,9 +17,9 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import BLOCK, PD, ROOT
-from tests.e2e.tiny_model import CONFIG, prompt
-from tests.hosts.emulate import NETNS, TwoHosts
+from tests.helpers.e2e import BLOCK, PD, ROOT
+from tests.helpers.tiny_model import CONFIG, prompt
+from tests.helpers.hosts.emulate import NETNS, TwoHosts
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import PD, running
-from tests.e2e.test_pd import assert_same, baseline
-from tests.e2e.tiny_model import prompt
+from tests.helpers.e2e import PD, assert_same, baseline, running
+from tests.helpers.tiny_model import prompt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -34,7 +33,7 @@ MAX_MODEL_LEN = 53_248
 
 @pytest.fixture(scope="module")
 def long_pd(tmp_path_factory):
-    from tests.e2e.tiny_model import build
+    from tests.helpers.tiny_model import build
 
     model = build(str(tmp_path_factory.mktemp("tiny-llama-64k")), seed=0, max_position_embeddings=65_536)
     pair = PD(model, str(tmp_path_factory.mktemp("pd-long")))

@@ -18,9 +18,8 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import BLOCK, _http
-from tests.e2e.test_pd import assert_same, baseline, expected_p2p_tokens
-from tests.e2e.tiny_model import prompt
+from tests.helpers.e2e import BLOCK, assert_same, baseline, expected_p2p_tokens, http_json
+from tests.helpers.tiny_model import prompt
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -167,7 +166,7 @@ def test_multi_turn_pd_pulls_the_decodes_generated_kv(pd):
     body = {"model": "tiny", "prompt": turn1, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "kv_transfer_params": {"remote_prefiller": {
                 "kv_request_id": rid1, "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}}}
-    c = _http(pd.url("decode") + "/v1/completions", body)["choices"][0]
+    c = http_json(pd.url("decode") + "/v1/completions", body)["choices"][0]
     history = list(c["prompt_token_ids"]) + list(c["token_ids"])
     turn2 = history + [int(t) for t in c["prompt_token_ids"][1:41]]  # the next user message: 40 more tokens
     want = baseline(pd, turn2)
@@ -215,7 +214,7 @@ def test_a_mis_addressed_pull_recomputes_fast(pd, where):
     the request recomputes with the single-engine answer.  Refused: at most 0.5 s more than recomputing (a refused
     connection is known at once); HTTP: bounded by the handshake timeout (3 s) plus slack.  The in-tree tier
     stalls here until the client gives up."""
-    from tests.ports import free_ports
+    from tests.helpers.ports import free_ports
 
     port = free_ports(1)[0] if where == "refused" else pd.prefill_http
     src = {"kv_request_id": f"bad-{uuid.uuid4().hex}", "remote_host": "127.0.0.1", "remote_port": port}

@@ -25,27 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import BLOCK, MAX_MODEL_LEN, ROOT, _http
-from tests.e2e.tiny_model import prompt
+from tests.helpers.e2e import MAX_MODEL_LEN, ROOT, assert_same, baseline, expected_p2p_tokens, http_json
+from tests.helpers.tiny_model import prompt
 
 pytestmark = pytest.mark.timeout(600)
 
-LOGPROB_TOL = 1e-4  # decode continues from transferred KV; same floats up to summation order
-
-
-def baseline(pd, text: str, timeout_s: float = 120.0):
-    return pd.complete("prefill", text, cache_salt=f"baseline-{uuid.uuid4().hex}", timeout_s=timeout_s)
-
-
-def expected_p2p_tokens(n_tokens: int) -> int:
-    return n_tokens // BLOCK * BLOCK  # every full block (vLLM then recomputes the last token itself)
-
-
-def assert_same(got, want, what: str) -> None:
-    (gt, gl), (wt, wl) = got, want
-    assert gt == wt, f"{what}: tokens differ\n got  {gt}\n want {wt}"
-    worst = max(abs(a - b) for a, b in zip(gl, wl))
-    assert worst <= LOGPROB_TOL, f"{what}: logprobs differ by {worst}"
 
 
 def pd_request(pd, n: int, seed: int):
@@ -195,7 +179,7 @@ def test_every_metric_the_dashboard_queries_is_exported(pd):
             queried.append((name, literal))
     series: dict[str, list[dict]] = {}
     for which in ("prefill", "decode", "prefill-worker", "decode-worker"):
-        text = _http(pd.url(which) + "/metrics")
+        text = http_json(pd.url(which) + "/metrics")
         for name, labels in re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})? ", text, re.M):
             series.setdefault(name, []).append(dict(re.findall(r'(\w+)="([^"]*)"', labels)))
     missing = [(name, want) for name, want in queried

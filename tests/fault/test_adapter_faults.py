@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tests.fault.conftest import figure
-from tests.vllm.harness import Engine, LookupResult, ReqContext, run_until
+from tests.helpers.fault import figure
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, run_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,7 +102,7 @@ def test_nixl_failing_at_registration_fails_vllm_start_with_the_cause(free_port,
     engine start) fails within seconds naming the cause, instead of "did not become ready" after 120 s, and
     no worker is restarted in a loop."""
     from p2pworker.errors import P2PError
-    from tests.fault.test_never_a_wrong_byte import fake_nixl
+    from tests.helpers.fault import fake_nixl
 
     monkeypatch.setenv("P2PWORKER_SECRET", "fault-suite")
     monkeypatch.setenv("PYTHONPATH", fake_nixl(tmp_path) + os.pathsep + os.getcwd())

@@ -13,7 +13,7 @@ from p2pworker.control import ControlConfig, LinkUp, ZmqControl
 from p2pworker.control.zmq_control import K_DATA, K_HELLO, _Hello
 from p2pworker.errors import Backpressure, PeerLost
 from p2pworker.protocol import messages as m
-from tests.fault.conftest import SECRET, Jobs, figure, pd, rss_kib
+from tests.helpers.fault import SECRET, Jobs, figure, pd, rss_kib
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from p2pworker import api
-from tests.fault.conftest import BLOCKS, Jobs, figure, keys_for, load, park, pd
+from tests.helpers.fault import BLOCKS, Jobs, fake_nixl, figure, keys_for, load, park, pd
 
 pytestmark = pytest.mark.timeout(240)
 CANARY = 0xA5
@@ -285,32 +285,6 @@ def test_protocol_error_on_an_outbound_link_then_the_next_load_succeeds(nodes, s
 # (g) NIXL that imports but fails at registration.  We run as root here, so a lowered RLIMIT_MEMLOCK does
 # not bite (CAP_IPC_LOCK); instead the worker gets a stand-in `nixl` package on its PYTHONPATH whose
 # register_memory raises the way UCX does when it cannot pin memory.  Test code only.
-FAKE_NIXL = '''
-class nixl_agent_config:
-    def __init__(self, *a, **kw):
-        pass
-
-
-class nixl_agent:
-    def __init__(self, name, config=None):
-        self.backends = {"UCX": object()}
-
-    def get_plugin_list(self):
-        return ["UCX"]
-
-    def register_memory(self, *a, **kw):
-        raise RuntimeError("NIXL_ERR_BACKEND: ucp_mem_map failed: Cannot allocate memory (RLIMIT_MEMLOCK)")
-'''
-
-
-def fake_nixl(tmp_path) -> str:
-    pkg = tmp_path / "fakenixl" / "nixl"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "_api.py").write_text(FAKE_NIXL)
-    return str(pkg.parent)
-
-
 def test_nixl_registration_failure_is_a_clear_error_not_a_crash_loop(shm_prefix, tmp_path, figures):
     """(g) NIXL registration fails: under ``backend = nixl`` the worker reports a fatal WorkerError naming
     the cause at once (it does not crash; it exits cleanly when told); under ``auto`` it falls back to ZMQ."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from p2pworker import api
-from tests.fault.conftest import BLOCKS, Jobs, figure, keys_for, load, park, pd
+from tests.helpers.fault import BLOCKS, Jobs, figure, keys_for, load, park, pd
 
 pytestmark = pytest.mark.timeout(180)
 DEADLINE_S = 3.0
@@ -322,8 +322,8 @@ def test_adapter_dies_worker_drains_deregisters_exits(nodes, children, shm_prefi
     gone, and its peer keeps serving others."""
     from p2pworker.shm.liveness import process_alive
     from p2pworker.shm.sweep import leftovers, sweep
-    from tests.fault.adapter_child import adapter_with_load_in_flight
-    from tests.fault.conftest import SECRET
+    from tests.helpers.adapter_child import adapter_with_load_in_flight
+    from tests.helpers.fault import SECRET
 
     a = nodes("pa")
     q = children.ctx.Queue()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from p2pworker import api
-from tests.fault.conftest import BLOCKS, fd_count, figure, keys_for, rss_anon_kib, rss_kib
+from tests.helpers.fault import BLOCKS, fd_count, figure, keys_for, rss_anon_kib, rss_kib
 
 SOAK_S = float(os.environ.get("P2PWORKER_SOAK_S", "60"))
 WARMUP_S = max(15.0, 0.25 * SOAK_S)  # first-touch pages, allocator pools and the first heap trim settle by then

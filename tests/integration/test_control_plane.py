@@ -32,8 +32,8 @@ from p2pworker.control.zmq_control import (
     router_move,
 )
 from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
-from tests.integration.peers import control_acceptor
-from tests.ports import free_port
+from tests.helpers.peers import control_acceptor
+from tests.helpers.ports import free_port
 
 SECRET = "test-secret"
 

@@ -19,7 +19,7 @@ from p2pworker.data import PeerDataInfo, coalesce, make_data_transport
 from p2pworker.errors import DataPlaneUnavailable, TransferFailed
 from p2pworker.shm import KVRegion
 from p2pworker.shm.sweep import sweep
-from tests.integration.peers import data_peer, random_rows, region_bytes
+from tests.helpers.peers import data_peer, random_rows, region_bytes
 
 BACKENDS = ["nixl", "zmq"]
 MODES = BACKENDS + ["same_host"]  # same_host: NIXL transports, the consumer copying out of the producer's file

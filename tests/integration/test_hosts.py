@@ -1,4 +1,4 @@
-"""Across hosts: two workers on two emulated hosts (tests/hosts/emulate.py: network namespaces joined
+"""Across hosts: two workers on two emulated hosts (tests/helpers/hosts/emulate.py: network namespaces joined
 by a veth, each with its own PID namespace and /dev/shm), so the KV bytes cross a network interface over UCX's TCP
 transport, not cross-memory attach.  Byte-exact transfers, a peer host nobody answers on, and the wire cut under a
 load and restored."""
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.hosts.emulate import NETNS, two_hosts
-from tests.ports import free_port
+from tests.helpers.hosts.emulate import NETNS, two_hosts
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

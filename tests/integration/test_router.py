@@ -1,5 +1,5 @@
 """The router (`p2pworker router`) as a real process in front of fake engines that are real processes too
-(tests/fakes/engine.py), so a test can kill one mid-request."""
+(tests/helpers/fakes/engine.py), so a test can kill one mid-request."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from p2pworker.router.pool import (ERRORS_TO_DOWN, MOVES, Backoff, Instance, Ins
                                    Role, parse_instance)
 from p2pworker.router.routing import HostPort, Routing, routing_of
 from p2pworker.router.upstream import Reason, classify
-from tests.fakes.fleet import FakeEngine, FakeWorkerPort, Router
-from tests.ports import free_port
+from tests.helpers.fakes.fleet import FakeEngine, FakeWorkerPort, Router
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.hosts.emulate import PRIVATE_PID, PRIVATE_SHM, two_hosts
+from tests.helpers.hosts.emulate import PRIVATE_PID, PRIVATE_SHM, two_hosts
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -23,7 +23,7 @@ from p2pworker.errors import RingApiMismatch
 from p2pworker.session.session import SessionConfig, longest_hold_s
 from p2pworker.shm import KVRegion
 from p2pworker.shm.sweep import leftovers
-from tests.ports import free_port
+from tests.helpers.ports import free_port
 
 ENV = {"P2PWORKER_SECRET": "worker-tests"}
 BIN = Path(sys.executable).with_name("p2pworker")

@@ -7,8 +7,7 @@ import math
 
 from p2pworker.config import WorkerConfig
 from p2pworker.worker import poll_timeout_s
-from tests.unit.session_harness import Pair
-from tests.unit.test_session import KEYS
+from tests.helpers.session import KEYS, Pair
 
 CFG = WorkerConfig()
 

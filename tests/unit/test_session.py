@@ -13,9 +13,8 @@ from p2pworker.session import (
 )
 from p2pworker.session.parking import LeasePhase
 from p2pworker.session.session import LEASE_MARGIN_S, LoadEvent, LoadPhase
-from tests.unit.session_harness import BLOCK, REUSED, Pair, sample_messages
+from tests.helpers.session import BLOCK, KEYS, REUSED, Pair, sample_messages
 
-KEYS = [b"k0", b"k1", b"k2", b"k3"]
 
 
 def jobs(events):

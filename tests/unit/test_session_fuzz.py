@@ -11,7 +11,7 @@ import pytest
 
 from p2pworker.protocol import messages as m
 from p2pworker.session import JobDone, SessionClosed, State
-from tests.unit.session_harness import Pair, sample_messages
+from tests.helpers.session import Pair, sample_messages
 
 N_FRAMES = 100_000
 

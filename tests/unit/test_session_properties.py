@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from p2pworker.protocol import messages as m
 from p2pworker.session import JobDone
-from tests.unit.session_harness import REUSED, Pair
+from tests.helpers.session import REUSED, Pair
 
 REQS = ["r0", "r1"]
 KEYS = [b"k%d" % i for i in range(5)]

@@ -15,7 +15,7 @@ import pytest
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import EngineShutdownState
 
-from tests.vllm.harness import Engine, LookupResult, ReqContext, run_until
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, run_until
 
 NO_POLL_THREAD = {"tier_poll_interval_s": 0}  # 0.33: off; 0.32 ignores the key (it has no such thread)
 

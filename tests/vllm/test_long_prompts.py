@@ -12,7 +12,7 @@ import time
 import pytest
 
 from p2pworker import api
-from tests.vllm.harness import Engine, LookupResult, ReqContext, run_until
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, run_until
 
 pytestmark = pytest.mark.timeout(300)
 ROW = 4096

@@ -17,7 +17,7 @@ import vllm
 from p2pworker import api
 from p2pworker.errors import P2PError
 from p2pworker.session.session import SessionConfig, longest_hold_s
-from tests.vllm.harness import ROW, Engine, LookupResult, ReqContext, run_until
+from tests.helpers.vllm_engines import ROW, Engine, LookupResult, ReqContext, run_until
 from vllm_adapter.tier import (
     DRAIN_SLACK_S,
     M_DEATHS,

@@ -1,6 +1,6 @@
 """One emulated host's engine side: a KV region and a spawned worker, driven by JSON lines on stdin.
 
-Run inside the host's namespaces by tests/hosts/emulate.py (so the region, the rings and the worker all live in
+Run inside the host's namespaces by tests/helpers/hosts/emulate.py (so the region, the rings and the worker all live in
 that host's private /dev/shm, and the worker binds that host's veth address).  One request per line, one answer
 per line; an answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
 

@@ -1,4 +1,5 @@
-"""Processes for router tests: fake engines (tests/fakes/engine.py), a fake p2pworker port, and the real router."""
+"""Processes for router tests: fake engines (tests/helpers/fakes/engine.py), a fake p2pworker port, and the real
+router."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ports import free_port
+from tests.helpers.ports import free_port
 
 ENGINE = Path(__file__).with_name("engine.py")
 BIN = Path(sys.executable).with_name("p2pworker")

@@ -1,7 +1,7 @@
 """A stand-in for one `vllm serve` instance, run as its own process (so a test can kill it): OpenAI-style routes
 that answer at once or stream, and record what they were sent.
 
-    python tests/fakes/engine.py --port P --name N [--record FILE] [--tokens 5] [--token-delay 0.02]
+    python tests/helpers/fakes/engine.py --port P --name N [--record FILE] [--tokens 5] [--token-delay 0.02]
 
 POST /_fake/mode with JSON {"status": 500, "health": 503, "delay": 2.0} changes how it answers from then on.
 Each request is recorded as one JSON line {"event": "request", "path", "headers", "body"}; a client that went away

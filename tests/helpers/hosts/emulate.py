@@ -4,7 +4,7 @@ Each host is a network namespace with its own veth end and address (10.77.<n>.1 
 namespaces and its own /dev/shm (a private tmpfs in its own mount namespace).  Both are needed for the data to
 cross the veth: UCX decides "same node" from the kernel's boot id, which no namespace changes, and then uses
 cross-memory attach between the two processes; in a separate PID namespace it treats the peer as another node
-and goes over TCP on the veth.  A host runs tests/hosts/agent.py (its KV region and its spawned worker).
+and goes over TCP on the veth.  A host runs tests/helpers/hosts/agent.py (its KV region and its spawned worker).
 
 Where the machine refuses namespaces, both agents run on loopback with UCX forced onto TCP (``UCX_TLS=tcp,self``)
 and :attr:`TwoHosts.mode` says so; the tests print which one ran.
@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NETNS, LOOPBACK_TCP = "netns+veth", "loopback, UCX_TLS=tcp,self"
 SAME_HOST = "one host, loopback, UCX's own transport choice (cma)"  # benchmarks' same-host baseline
 # one host, but b in its own mount namespace with a private /dev/shm (a container that does not share the host's):
@@ -152,7 +152,7 @@ class TwoHosts:
 
     # ------------------------------------------------------------ agents
     def _argv(self, i: int) -> list[str]:
-        agent = [sys.executable, "-m", "tests.hosts.agent"]
+        agent = [sys.executable, "-m", "tests.helpers.hosts.agent"]
         if self.mode == PRIVATE_SHM and i == 1:
             return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                     "mount -t tmpfs -o size=512m tmpfs /dev/shm && exec " + " ".join(agent)]

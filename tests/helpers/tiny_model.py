@@ -1,6 +1,6 @@
 """Build a tiny Llama with a locally trained tokenizer and random *real* weights (no hub).
 
-    python -m tests.e2e.tiny_model OUT_DIR [--seed 0]
+    python -m tests.helpers.tiny_model OUT_DIR [--seed 0]
 
 Weights are seeded normal draws with a large init scale (saved as safetensors), so
 the output depends on every KV value: a wrong KV block changes the tokens.  With

@@ -32,6 +32,7 @@ from p2pworker.session import (
 )
 
 BLOCK = 4096
+KEYS = [b"k0", b"k1", b"k2", b"k3"]  # four block hashes, as vLLM names chunks
 REUSED = b"<reused by vLLM>"
 
 
