@@ -10,7 +10,7 @@ import os
 import time
 
 from p2pworker import api
-from p2pworker import worker as wmod
+from p2pworker.worker import loop as wmod
 from p2pworker.control import zmq_control
 from p2pworker.data import samehost
 from p2pworker.protocol import messages as m

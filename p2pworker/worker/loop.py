@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ipaddress
 import importlib
 import logging
 import math
 import os
 import signal
-import socket
-import threading
 import time
 from typing import Any, Callable
 
@@ -78,6 +75,8 @@ from p2pworker.session import (
 from p2pworker.session.reporter import Event as ReportedEvent
 from p2pworker.session.session import bye_reason, longest_hold_s
 from p2pworker.shm import KVRegion, Ring, Role
+from p2pworker.worker.peers import PeerBook, addr_key
+from p2pworker.worker.resolver import Resolver
 
 log = logging.getLogger("p2pworker.worker")
 
@@ -86,12 +85,6 @@ HOOK_ENV = "P2PWORKER_HOOK"  # "module:function": called with the Worker before 
 LIVENESS_CHECK_S = 0.25
 TRIM_S = 60.0  # how often freed heap is handed back to the kernel (see _trim)
 _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only; resolved once
-RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
-RECONNECT_MAX_S = 5.0
-RETRY_FORGET_S = 60.0
-UNREACHABLE_LOGGED_MAX = 1024  # addresses whose first failure was logged (then the set starts afresh)
-RESOLVE_TTL_S = 30.0  # how long a host name that resolved is trusted to resolve again (libzmq does the real lookup)
-RESOLVE_TIMEOUT_S = 5.0  # commands parked behind a slower lookup fail (bounded wait, invariant 4)
 PARKED = "parked until the peer's host name is resolved"
 FAILED_LOG_PER_S = 10
 
@@ -158,23 +151,16 @@ class Worker:
         self.ctx: SessionContext | None = None
         self.fingerprint: Fingerprint | None = None
         self.sessions: dict[str, Session] = {}  # control link id -> session
-        self.out_links: dict[str, str] = {}  # peer address -> outbound link id
+        # outbound links by address, which came up once, the backoff of failed addresses, the kept peers (the tier's
+        # `peers`: a PD decode lists its prefill workers, so the first request finds the session and the data path
+        # set up; re-opened on the tick, with backoff)
+        self.peers = PeerBook()
         self._settling: list[Session] = []  # closed sessions whose cancelled reads have not settled yet
         self._reads: dict[int, tuple[Session, int]] = {}  # data transfer id -> (session, its read id)
         self._tids: dict[tuple[Session, int], int] = {}  # (session, read id) -> data transfer id
-        self._retry: dict[str, tuple[float, float, str]] = {}  # address -> (not before, next backoff, why)
-        # addresses the adapter asked to keep connected (the tier's `peers`: a PD decode lists its prefill workers,
-        # so the first request finds the session and the data path set up); re-opened on the tick, with backoff
-        self.kept: set[str] = set()
         self._held_sends: list | None = None  # see _poll_data
         self._failed_log = [0.0, 0]  # [second started, failed jobs in it]
-        self._link_addr: dict[str, str] = {}  # outbound link id -> the address key it was opened for
-        self._was_up: set[str] = set()  # outbound links that were up once (a reconnect is not a first contact)
-        self._unreachable_logged: set[str] = set()  # addresses whose first failure to come up was logged
-        # Name resolution runs off the event loop (a slow resolver must not stall heartbeats): address -> the
-        # lookup in flight and the commands waiting for it.
-        self._resolving: dict[str, tuple[_Lookup, list]] = {}
-        self._resolved_at: dict[str, float] = {}  # address -> when its host name last resolved
+        self.resolver = Resolver(clock)  # host names resolved off the loop (a slow resolver stalls nothing)
         self.pending: collections.deque = collections.deque()  # events the full event ring could not take
         self.stopping = False
         self.stop_reason = ""
@@ -257,7 +243,7 @@ class Worker:
             self._take_lanes(server)
         if self.data is not None:
             did = self._poll_data() or did
-        if self._resolving:
+        if self.resolver:
             did = self._resolved() or did
         now = self.clock()
         if now >= self._next_tick:
@@ -272,11 +258,11 @@ class Worker:
             self._lane_deadlines(now)
             if self.ctx is not None:
                 self.ctx.lot.tick()
-                for key in self.kept:  # a kept peer whose session closed: open a new one (_session_for backs off)
-                    link = self.out_links.get(key)
+                for key in self.peers.kept:  # a kept peer whose session closed: open a new one (_session_for backs off)
+                    link = self.peers.links.get(key)
                     lk = self.ctl.link(link) if link is not None else None
                     # no link, or one the control transport gave up on (_session_for drops it, then backs off)
-                    if (lk is None or lk.state is LinkState.FAILED) and key not in self._resolving \
+                    if (lk is None or lk.state is LinkState.FAILED) and key not in self.resolver \
                             and not self.stopping:
                         self._session_for(key, api.OpenSession(key))
             if self.draining and not self._drained_sent and self.reporter.open_jobs == 0 and not self._in_flight():
@@ -490,7 +476,7 @@ class Worker:
     def _in_flight(self) -> bool:
         if self.data is not None and self.data.in_flight():
             return True
-        if self._resolving:  # commands parked behind a name lookup are not reported yet
+        if self.resolver:  # commands parked behind a name lookup are not reported yet
             return True
         return bool(self._settling) or any(s.open_loads or s.leases for s in self.sessions.values())
 
@@ -644,20 +630,19 @@ class Worker:
                             self._run(link, s, s.cancel_loads(cmd.reason))
             case api.OpenSession():
                 if cmd.keep:
-                    self.kept.add(_addr_key(cmd.address))
+                    self.peers.kept.add(addr_key(cmd.address))
                 if not self.stopping:  # a no-op when the session exists, or the address is in its backoff
                     self._session_for(cmd.address, cmd)
             case api.CloseSession():
-                self.kept.discard(_addr_key(cmd.address))
-                link = self.out_links.get(_addr_key(cmd.address))
+                key = addr_key(cmd.address)
+                self.peers.kept.discard(key)
+                link = self.peers.links.get(key)
                 s = self.sessions.get(link) if link is not None else None
                 if s is not None:
                     self._run(link, s, s.close("closed by the adapter", bye=True))
-                    self._retry.pop(_addr_key(cmd.address), None)  # asked for, not a failure: no backoff
+                    self.peers.retry.pop(key, None)  # asked for, not a failure: no backoff
                 elif link is not None:
-                    self.out_links.pop(_addr_key(cmd.address), None)
-                    self._link_addr.pop(link, None)
-                    self._was_up.discard(link)
+                    self.peers.forget(link)
                     self.ctl.disconnect(link)
             case api.AttachRegion():
                 self._attach(cmd)
@@ -734,8 +719,8 @@ class Worker:
         (None, PARKED): the host name is being resolved off the loop; ``cmd`` is run again once it is."""
         if self.ctl is None:
             return None, "worker has no region attached yet"
-        key = _addr_key(address)
-        link = self.out_links.get(key)
+        key = addr_key(address)
+        link = self.peers.links.get(key)
         if link is not None:
             lk = self.ctl.link(link)
             if lk is None or lk.state is LinkState.FAILED:
@@ -744,25 +729,25 @@ class Worker:
                 why = lk.reason if lk is not None else "link gone"
                 self._forget_link(link, key, f"control link failed: {why}", f"control link failed: {why}")
                 return None, f"peer {address}: control link failed ({why})"
-            if lk.state is not LinkState.UP and link in self._was_up:
+            if lk.state is not LinkState.UP and link in self.peers.was_up:
                 # Fail fast: a Fetch queued now would reach whatever process answers next on that address (a
                 # restarted producer that never heard of the request) and wait out its fetch_timeout_s.
                 return None, f"peer {address}: control link {lk.state.value} ({lk.reason or 'reconnecting'})"
         else:
-            retry = self._retry.get(key)
-            if retry is not None and self.clock() < retry[0]:
-                return None, f"peer {address}: {retry[2]}; retrying in {retry[0] - self.clock():.1f} s"
-            target = self._resolve(key, cmd)
+            now = self.clock()
+            b = self.peers.blocked(key, now)
+            if b is not None:
+                return None, f"peer {address}: {b.why}; retrying in {b.not_before - now:.1f} s"
+            target = self.resolver.resolve(key, cmd)
             if target is None:
                 return None, PARKED
             try:
                 link = self.ctl.connect(target, resolve=False)
             except P2PError as e:
                 log.warning("cannot connect to %s: %s", address, e)
-                self._backoff(key, f"unreachable: {e}")
+                self.peers.backoff(key, f"unreachable: {e}", self.clock())
                 return None, f"peer {address} unreachable: {e}"
-            self.out_links[key] = link
-            self._link_addr[link] = key
+            self.peers.add(key, link)
         s = self.sessions.get(link)
         if s is None:
             s = self.sessions[link] = self._new_session(link, None)
@@ -771,67 +756,24 @@ class Worker:
     def _forget_link(self, link: str, key: str, close_reason: str, backoff_reason: str) -> None:
         """Drop an outbound link the transport gave up on (or that never came up): its session closes (what waits on
         it fails), and the next command for ``key`` opens a fresh link only after the backoff."""
-        self.out_links.pop(key, None)
-        self._link_addr.pop(link, None)
-        self._was_up.discard(link)
+        self.peers.forget(link)
         self.ctl.disconnect(link)
         s = self.sessions.get(link)
         if s is not None:
             self._run(None, s, s.close(close_reason))
             self._retire(s)
-        self._backoff(key, backoff_reason)
-
-    def _backoff(self, key: str, why: str) -> None:
-        """No new link to ``key`` before a delay that doubles per failure (up to RECONNECT_MAX_S), starting afresh
-        once the address has not failed for RETRY_FORGET_S.  Not reset by a handshake: a peer that accepts and
-        then breaks every session would otherwise be redialled every RECONNECT_MIN_S."""
-        now = self.clock()
-        for k in [k for k, (at, _, _) in self._retry.items() if now - at > RETRY_FORGET_S]:
-            del self._retry[k]  # bounded: entries of addresses that stopped failing go
-        _, backoff, _ = self._retry.get(key, (0.0, RECONNECT_MIN_S, ""))
-        self._retry[key] = (now + backoff, min(2 * backoff, RECONNECT_MAX_S), why)
-
-    def _resolve(self, key: str, cmd: Any) -> str | None:
-        """``key`` once its host is known to resolve (an IP literal, or a name a helper thread resolved within
-        RESOLVE_TTL_S), else None: ``cmd`` waits for the lookup (at most RESOLVE_TIMEOUT_S).  The link is then
-        opened with the NAME: libzmq resolves it in its own thread on every reconnect, so a peer that comes
-        back at a new address is found, and the address family is libzmq's choice, not our first answer."""
-        host, _, port = key.rpartition(":")
-        bare = host.strip("[]")
-        try:
-            ipaddress.ip_address(bare)
-            return key  # a literal: nothing to look up
-        except ValueError:
-            pass
-        cached = self._resolved_at.get(key)
-        if cached is not None and self.clock() - cached < RESOLVE_TTL_S:
-            return key
-        if key in self._resolving:
-            self._resolving[key][1].append(cmd)
-            return None
-        self._resolving[key] = (_Lookup(bare, port, self.clock()), [cmd])
-        return None
+        self.peers.backoff(key, backoff_reason, self.clock())
 
     def _resolved(self) -> bool:
         """Run the commands whose peer's name resolved (or fail them with the resolver's error or its time-out)."""
-        did = False
-        now = self.clock()
-        for key, (lookup, cmds) in list(self._resolving.items()):
-            if lookup.done.is_set():
-                if lookup.error is None:
-                    self._resolved_at[key] = now
-                else:
-                    self._backoff(key, f"cannot resolve it: {lookup.error}")
-            elif now - lookup.started >= RESOLVE_TIMEOUT_S:
-                self._backoff(key, f"resolving its host name took more than {RESOLVE_TIMEOUT_S:g} s")
-            else:
-                continue
-            did = True
-            del self._resolving[key]
-            for cmd in cmds:
+        settled = self.resolver.settle()
+        for done in settled:
+            if done.error is not None:
+                self.peers.backoff(done.key, done.error, self.clock())
+            for cmd in done.cmds:
                 if cmd is not None:
                     self._handle(cmd)  # resolved: proceeds; failed: the backoff entry fails it with the reason
-        return did
+        return bool(settled)
 
     def _new_session(self, link: str, peer: str | None) -> Session:
         return Session(self.ctx, expected_peer_id=peer, link=link)
@@ -928,16 +870,14 @@ class Worker:
             # forgot already is nobody's to keep (disconnecting it again below is a no-op)
             lk = self.ctl.link(link) if self.ctl is not None else None
             out = lk is not None and lk.outbound
-            key = self._link_addr.get(link)  # the address as the adapter gave it (a name stays a name)
+            key = self.peers.addr_of.get(link)  # the address as the adapter gave it (a name stays a name)
             if out and key is not None:
-                if self.out_links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
+                if self.peers.links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
                     # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                     # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
-                    del self.out_links[key]
-                    del self._link_addr[link]
-                    self._was_up.discard(link)
+                    self.peers.forget(link)
                     self.ctl.disconnect(link)
-                    self._backoff(key, s.close_reason)
+                    self.peers.backoff(key, s.close_reason, self.clock())
             elif not out and self.ctl is not None and not s.quiet_close:
                 # Hang up: the peer's session may still think it is ACTIVE (we may not have been able to send
                 # Bye); without the link it notices now instead of sending into a session that ignores it.
@@ -972,7 +912,7 @@ class Worker:
                 s = self.sessions[ev.link] = self._new_session(ev.link, ev.node_id)
             s.expected_peer_id = ev.node_id
             if ev.outbound:
-                self._was_up.add(ev.link)
+                self.peers.was_up.add(ev.link)
                 self._run(ev.link, s, s.start())
             # An inbound reconnect replaces its old link inside the control transport without a LinkDown:
             # retire sessions whose link is gone.
@@ -982,8 +922,8 @@ class Worker:
                     self._retire(other)
         elif isinstance(ev, LinkDown):
             self.counters["peer_deaths"] += 1
-            key = self._link_addr.get(ev.link)
-            if key is not None and ev.link not in self._was_up:
+            key = self.peers.addr_of.get(ev.link)
+            if key is not None and ev.link not in self.peers.was_up:
                 self._unreachable(ev.link, key, ev.reason)
                 return
             s = self.sessions.get(ev.link)
@@ -1002,10 +942,7 @@ class Worker:
         the backoff ends (_session_for), instead of queueing for a handshake that will not come.  Logged once per
         address (bounded) and counted (p2pworker_peers_unreachable)."""
         self.counters["peers_unreachable"] += 1
-        if key not in self._unreachable_logged:
-            if len(self._unreachable_logged) >= UNREACHABLE_LOGGED_MAX:
-                self._unreachable_logged.clear()
-            self._unreachable_logged.add(key)
+        if self.peers.first_failure(key):
             # INFO: the control transport already warned, once per address and cause
             log.info("peer %s unreachable: %s; pulls from it recompute (retried after a backoff)", key, reason)
         self._forget_link(link, key, f"peer {key} unreachable: {reason}", f"unreachable: {reason}")
@@ -1130,8 +1067,7 @@ class Worker:
             log.info("worker stopped: %s", self.stop_reason)
 
     def _fail_queued_commands(self, reason: str) -> None:
-        parked = [cmd for _, cmds in self._resolving.values() for cmd in cmds if cmd is not None]
-        self._resolving.clear()
+        parked = self.resolver.take_waiting()
         for cmd in parked:
             if isinstance(cmd, api.LoadJob):
                 self._fail_now(cmd.job_id, "load", reason)
@@ -1191,7 +1127,8 @@ class Worker:
             ],
             # what this process's copies run under (p2pworker.copytune: streaming stores for same-host copies)
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
-            "kept_peers": sorted(self.kept),  # listed peers (OpenSession keep): re-opened whenever their session ends
+            # listed peers (OpenSession keep): re-opened whenever their session ends
+            "kept_peers": sorted(self.peers.kept),
             "jobs_in_flight": self.reporter.open_jobs,
             "transfers_in_flight": data.in_flight() if data else 0,
             "bytes_read": data.stats.bytes_done if data else 0,
@@ -1201,29 +1138,6 @@ class Worker:
             "control": dict(self.ctl.counters) if self.ctl else {},
             "counters": dict(self.counters),
         }
-
-
-class _Lookup:
-    """One getaddrinfo on its own daemon thread (lookups do not queue behind each other, and a lookup that
-    hangs does not keep the process alive at exit)."""
-
-    def __init__(self, host: str, port: str, started: float):
-        self.started = started
-        self.error: str | None = None
-        self.done = threading.Event()
-        threading.Thread(target=self._run, args=(host, port), daemon=True, name="p2pworker-resolve").start()
-
-    def _run(self, host: str, port: str) -> None:
-        try:
-            socket.getaddrinfo(host, int(port) if port.isdigit() else 0, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as e:
-            self.error = str(e)
-        finally:
-            self.done.set()
-
-
-def _addr_key(address: str) -> str:
-    return address[len("tcp://"):] if address.startswith("tcp://") else address
 
 
 def _trim() -> None:

@@ -1,0 +1,82 @@
+"""The worker's book of outbound peers: which control link serves an address, which links came up once, and the
+backoff of addresses that failed.
+
+    address key --add--> link --(LinkUp)--> was_up          forget(link): the one way a link leaves the book
+                  \\                                           (transport gave up, never came up, closed by the
+                   backoff(key): no new link before            adapter, session closed on a live link)
+                   Backoff.not_before (doubling per failure,
+                   forgotten RETRY_FORGET_S after it ends)
+
+No I/O: the worker disconnects the link and closes its session; this only keeps the records, so each is written in
+one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
+RECONNECT_MAX_S = 5.0
+RETRY_FORGET_S = 60.0  # an address that has not failed for this long after its backoff starts afresh
+UNREACHABLE_LOGGED_MAX = 1024  # addresses whose first failure was logged (then the set starts afresh)
+
+
+def addr_key(address: str) -> str:
+    """An address as the book keys it: the adapter's host:port, without a tcp:// scheme."""
+    return address[len("tcp://"):] if address.startswith("tcp://") else address
+
+
+@dataclass
+class Backoff:
+    """No new link to an address before ``not_before``; the delay after its next failure; why it failed."""
+
+    not_before: float
+    next_delay_s: float
+    why: str
+
+
+@dataclass
+class PeerBook:
+    links: dict[str, str] = field(default_factory=dict)  # address key -> outbound link id
+    addr_of: dict[str, str] = field(default_factory=dict)  # outbound link id -> the address key it was opened for
+    was_up: set[str] = field(default_factory=set)  # links that were up once (a reconnect is not a first contact)
+    retry: dict[str, Backoff] = field(default_factory=dict)
+    kept: set[str] = field(default_factory=set)  # addresses the adapter asked to keep connected (the tier's peers)
+    unreachable_logged: set[str] = field(default_factory=set)
+
+    def add(self, key: str, link: str) -> None:
+        self.links[key] = link
+        self.addr_of[link] = key
+
+    def forget(self, link: str) -> str | None:
+        """Drop every record of outbound ``link``; returns the address it served (None: not one of ours)."""
+        key = self.addr_of.pop(link, None)
+        if key is not None and self.links.get(key) == link:
+            del self.links[key]
+        self.was_up.discard(link)
+        return key
+
+    def backoff(self, key: str, why: str, now: float) -> Backoff:
+        """No new link to ``key`` before a delay that doubles per failure (up to RECONNECT_MAX_S), starting afresh
+        once the address has not failed for RETRY_FORGET_S.  Not reset by a handshake: a peer that accepts and
+        then breaks every session would otherwise be redialled every RECONNECT_MIN_S."""
+        for k in [k for k, b in self.retry.items() if now - b.not_before > RETRY_FORGET_S]:
+            del self.retry[k]  # bounded: entries of addresses that stopped failing go
+        old = self.retry.get(key)
+        delay = old.next_delay_s if old is not None else RECONNECT_MIN_S
+        b = self.retry[key] = Backoff(now + delay, min(2 * delay, RECONNECT_MAX_S), why)
+        return b
+
+    def blocked(self, key: str, now: float) -> Backoff | None:
+        """The backoff ``key`` is in now, if any."""
+        b = self.retry.get(key)
+        return b if b is not None and now < b.not_before else None
+
+    def first_failure(self, key: str) -> bool:
+        """True the first time ``key`` is reported unreachable (log it), bounded to UNREACHABLE_LOGGED_MAX keys."""
+        if key in self.unreachable_logged:
+            return False
+        if len(self.unreachable_logged) >= UNREACHABLE_LOGGED_MAX:
+            self.unreachable_logged.clear()
+        self.unreachable_logged.add(key)
+        return True
