@@ -60,6 +60,14 @@ def pull(pd, text: str, src: dict, which: str = "decode"):
     return got, took, p2p_tokens(pd, which) - before
 
 
+def released_after(pd, ended: float, what: str) -> float:
+    """Seconds from ``ended`` (the decode's answer) until the prefill engine holds no open job; fails past 10 s."""
+    while pd.metric("prefill", IN_FLIGHT) > 0:
+        assert time.monotonic() - ended < 10, f"the prefill engine still holds {what}"
+        time.sleep(0.05)
+    return time.monotonic() - ended
+
+
 def test_pull_from_an_idle_source_is_served_not_waited_out(pd):
     """vLLM's proxy in ``--p2p`` mode and llm-d's aggregated sharing: the prefill engine computes a prompt with no
     transfer params, sits idle (vLLM 0.32 stops calling its tiers), and the decode engine pulls that prefix with
@@ -122,10 +130,7 @@ def test_prefill_leg_pulls_its_prefix_and_serves_the_decode(pd):
     assert_same(got, want, "P/D + P2P request")
     loaded = p2p_tokens(pd, "decode") - before_decode
     assert 0 < loaded <= expected_p2p_tokens(n) - 400 // BLOCK * BLOCK, loaded  # the rest, not the shared prefix
-    while pd.metric("prefill", IN_FLIGHT) > 0:
-        assert time.monotonic() - ended < 10, "the prefill engine still holds parked stores nobody will fetch"
-        time.sleep(0.05)
-    released_s = time.monotonic() - ended
+    released_s = released_after(pd, ended, "parked stores nobody will fetch")
     pd.report["unfetched_released_s"] = round(released_s, 3)
     assert released_s <= 1.0, f"unfetched parked stores released {released_s:.2f} s after the decode's answer"
 
@@ -147,10 +152,7 @@ def test_a_decode_that_fetches_nothing_releases_the_producers_stores_at_once(pd)
         assert_same(got, want, f"PD request {i + 1} of the same prompt")
         loaded = p2p_tokens(pd, "decode") - before
         assert loaded == (expected_p2p_tokens(520) if i == 0 else 0), (i, loaded)
-    while pd.metric("prefill", IN_FLIGHT) > 0:
-        assert time.monotonic() - ended < 10, "the prefill engine still holds stores the decode never fetched"
-        time.sleep(0.05)
-    released_s = time.monotonic() - ended
+    released_s = released_after(pd, ended, "stores the decode never fetched")
     pd.report["nothing_fetched_released_s"] = round(released_s, 3)
     assert released_s <= 1.0, f"stores nobody fetched released {released_s:.2f} s after the decode's answer"
 

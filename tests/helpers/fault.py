@@ -20,22 +20,22 @@ SECRET = "fault-suite"
 BLOCKS, BLOCK_BYTES = 256, 256 * 1024  # 64 MiB regions
 
 
-def rss_kib(pid: int) -> int:
+def _status_kib(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
+
+
+def rss_kib(pid: int) -> int:
+    return _status_kib(pid, "VmRSS")
 
 
 def rss_anon_kib(pid: int) -> int:
     """Anonymous resident memory (heap, stacks): what a leak grows.  VmRSS also counts the shared-memory rings'
     and region's pages as they are first touched, and library pages as they are first run."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise RuntimeError("no RssAnon")
+    return _status_kib(pid, "RssAnon")
 
 
 def fd_count(pid: int) -> int:

@@ -37,14 +37,24 @@ REUSED = b"<reused by vLLM>"
 
 
 class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
+    """A clock tests set by hand (``now``, or ``t``, the same) and inject where the code takes one."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    @property
+    def t(self) -> float:
+        return self.now
+
+    @t.setter
+    def t(self, value: float) -> None:
+        self.now = value
 
     def __call__(self) -> float:
-        return self.t
+        return self.now
 
     def advance(self, s: float) -> None:
-        self.t += s
+        self.now += s
 
 
 @dataclass(eq=False)

@@ -394,16 +394,21 @@ def test_a_wildcard_bind_advertises_a_dialable_address(monkeypatch):
         b.close()
 
 
+def first_down(a: ZmqControl, address: str, timeout_s: float = 5.0) -> tuple[LinkDown, float]:
+    """Dial ``address`` from ``a``: the link's first LinkDown and the seconds it took."""
+    t0 = time.monotonic()
+    a.connect(address)
+    ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=timeout_s)
+    return of(ev, "a", LinkDown)[0], time.monotonic() - t0
+
+
 def test_a_refused_dial_is_known_at_once_not_at_the_deadline():
     """With a long handshake deadline (10 s here), a port nobody listens on is reported down within 0.5 s (the
     socket monitor sees libzmq's failed connect): a pull addressed there recomputes at once.  Counted."""
     a = ZmqControl(cfg(heartbeat_interval_s=5.0, heartbeat_liveness=2), node_id="A")
     try:
-        t0 = time.monotonic()
-        a.connect(f"127.0.0.1:{free_port()}")
-        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=5.0)
-        took_s = time.monotonic() - t0
-        assert of(ev, "a", LinkDown)[0].cause is DownCause.REFUSED
+        down, took_s = first_down(a, f"127.0.0.1:{free_port()}")
+        assert down.cause is DownCause.REFUSED
         assert took_s < 0.5, f"refused connect reported after {took_s:.2f} s"
         assert a.counters["connect_refused"] >= 1
     finally:
@@ -435,11 +440,7 @@ def test_a_port_that_does_not_speak_the_protocol_is_a_failed_handshake_before_th
     t.start()
     a = ZmqControl(cfg(heartbeat_interval_s=5.0, heartbeat_liveness=2), node_id="A")
     try:
-        t0 = time.monotonic()
-        a.connect(f"127.0.0.1:{srv.getsockname()[1]}")
-        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=15.0)
-        took_s = time.monotonic() - t0
-        down = of(ev, "a", LinkDown)[0]
+        down, took_s = first_down(a, f"127.0.0.1:{srv.getsockname()[1]}", timeout_s=15.0)
         assert down.cause is DownCause.HANDSHAKE_FAILED, down
         assert took_s < 2.0, f"a non-ZMTP peer reported after {took_s:.2f} s"
     finally:
@@ -460,11 +461,7 @@ def test_a_silent_peer_is_a_failed_handshake_at_the_deadline_not_later():
     srv.listen(8)  # never accept(): the kernel completes the TCP handshake, nobody sends a greeting
     a = ZmqControl(cfg(), node_id="A")
     try:
-        t0 = time.monotonic()
-        a.connect(f"127.0.0.1:{srv.getsockname()[1]}")
-        ev = pump({"a": a}, lambda e: of(e, "a", LinkDown), timeout_s=10.0)
-        took_s = time.monotonic() - t0
-        (down,) = of(ev, "a", LinkDown)
+        down, took_s = first_down(a, f"127.0.0.1:{srv.getsockname()[1]}", timeout_s=10.0)
         assert down.cause is DownCause.HANDSHAKE_FAILED and "accepted TCP" in down.reason, down
         assert 0.5 <= took_s <= 0.6 + 1.0, f"a silent peer reported after {took_s:.2f} s (deadline 0.6 s)"
         assert a.counters["handshake_failed"] >= 1

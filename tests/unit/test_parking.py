@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from p2pworker.session.parking import Lease, ParkingLot
 from p2pworker.session.reporter import JobDone, Reporter
+from tests.helpers.session import Clock
 
 BLOCK = 4096
 
@@ -189,19 +190,11 @@ def test_a_job_fetched_one_key_per_round_costs_what_the_rounds_move():
     assert done.success and sorted(done.keys) == sorted(keys) and done.nbytes == len(keys) * BLOCK
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_parcels_that_ended_leave_the_reap_heap_within_park_timeout_s():
     """Each parcel's heap entry keeps it in memory until the entry comes up.  The first look is park_timeout_s after
     its creation, not park_unfinished_s (1800 s): 1,000 requests stored, finished and read leave nothing behind
     61 s later (at 150 requests/s a first look at 1800 s would hold 30 minutes of them)."""
-    clock, reporter = Clock(), Reporter()
+    clock, reporter = Clock(0.0), Reporter()
     lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
     for i in range(1000):
         lot.store(i, f"r{i}", [b"k"], [i])
@@ -218,7 +211,7 @@ def test_parcels_that_ended_leave_the_reap_heap_within_park_timeout_s():
 def test_a_store_joining_a_finished_request_gets_its_own_park_timeout_s():
     """A peer's lookup answered twice for the same asker id: the second store joins the parcel the first end
     finished, and the second end starts the clock again (before: reaped seconds after it was parked)."""
-    clock, reporter = Clock(), Reporter()
+    clock, reporter = Clock(0.0), Reporter()
     lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
     lot.store(1, "asker", [b"a"], [1])
     lot.request_finished("asker")
@@ -236,7 +229,7 @@ def test_a_store_joining_a_finished_request_gets_its_own_park_timeout_s():
 def test_a_parcel_a_fetch_made_for_an_id_never_stored_is_dropped_after_park_timeout_s():
     """A consumer's Fetch makes a parcel for its id; with nothing ever parked and no end told it holds no row, and
     is dropped at the first look (not kept for park_unfinished_s: a peer could make them at will)."""
-    clock, reporter = Clock(), Reporter()
+    clock, reporter = Clock(0.0), Reporter()
     lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
     lot.parcel("never")
     clock.now = 61.0
@@ -245,7 +238,7 @@ def test_a_parcel_a_fetch_made_for_an_id_never_stored_is_dropped_after_park_time
 
 
 def test_an_unfinished_parcel_with_stores_is_kept_past_the_first_look():
-    clock, reporter = Clock(), Reporter()
+    clock, reporter = Clock(0.0), Reporter()
     lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
     lot.store(1, "long", [b"a"], [1])
     clock.now = 61.0
@@ -257,7 +250,7 @@ def test_a_dones_tombstone_outlives_the_close_of_a_session_whose_lease_offered_n
     """A consumer's Fetch binds a lease before anything is parked, its Done comes, then its session closes (a link
     reset): abandon() ends the empty lease.  The Done still holds: a store that comes later is reported at once
     (success, not parked for nobody), not pinned until park_timeout_s."""
-    clock, reporter = Clock(), Reporter()
+    clock, reporter = Clock(0.0), Reporter()
     lot = ParkingLot(reporter, clock, block_bytes=BLOCK, park_timeout_s=60.0, park_unfinished_s=1800.0)
     p = lot.parcel("req")
     lot.bind(p, Lease(1, object(), {}, 20.0, 30.0))  # a consumer's fetch, nothing offered yet

@@ -7,14 +7,7 @@ import threading
 
 from p2pworker.worker.peers import RECONNECT_MAX_S, RECONNECT_MIN_S, RETRY_FORGET_S, PeerBook, addr_key
 from p2pworker.worker.resolver import Resolver
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers.session import Clock
 
 
 def test_forget_is_the_one_way_a_link_leaves_the_book_and_it_is_idempotent():
@@ -73,7 +66,7 @@ class FakeLookup:
 
 def test_literals_dial_at_once_names_wait_for_one_lookup_and_resolved_names_are_trusted_for_the_ttl():
     FakeLookup.made = []
-    clock = Clock()
+    clock = Clock(100.0)
     r = Resolver(clock, FakeLookup, ttl_s=30.0, timeout_s=5.0)
     assert r.resolve("10.0.0.1:5710", "a") == "10.0.0.1:5710" and r.resolve("[::1]:5710", "b") == "[::1]:5710"
     assert r.resolve("prefill:5710", "c") is None and r.resolve("prefill:5710", "d") is None
@@ -90,7 +83,7 @@ def test_literals_dial_at_once_names_wait_for_one_lookup_and_resolved_names_are_
 
 def test_a_failed_or_slow_lookup_settles_with_its_error_and_a_shutdown_takes_what_waits():
     FakeLookup.made = []
-    clock = Clock()
+    clock = Clock(100.0)
     r = Resolver(clock, FakeLookup, ttl_s=30.0, timeout_s=5.0)
     r.resolve("bad:1", "a")
     r.resolve("slow:1", "b")
