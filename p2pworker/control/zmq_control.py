@@ -576,6 +576,11 @@ class ZmqControl(ControlTransport):
         if not link.outbound:
             self._inbound.pop(link.ident, None)
 
+    def _retry_later(self, link: Link) -> None:
+        """The next dial of a DOWN outbound link after its backoff, which doubles up to reconnect_max_s."""
+        link.next_attempt = self._clock() + link.backoff_s
+        link.backoff_s = min(link.backoff_s * 2, self.config.reconnect_max_s)
+
     def _down(self, link: Link, reason: str, retry: bool, cause: DownCause = DownCause.OTHER) -> None:
         """A link stopped working: report once, then reconnect (outbound) or forget (inbound)."""
         was_up = link.state is LinkState.UP
@@ -586,8 +591,7 @@ class ZmqControl(ControlTransport):
             self._close_sock(link)
             if retry:
                 link.state = LinkState.DOWN
-                link.next_attempt = self._clock() + link.backoff_s
-                link.backoff_s = min(link.backoff_s * 2, self.config.reconnect_max_s)
+                self._retry_later(link)
             else:
                 link.state = LinkState.FAILED
             report = not link.reported_down
@@ -826,6 +830,5 @@ class ZmqControl(ControlTransport):
                 try:
                     self._open(link)
                 except zmq.ZMQError as e:  # e.g. out of file descriptors: the link stays DOWN, tried after its backoff
-                    link.next_attempt = now + link.backoff_s
-                    link.backoff_s = min(link.backoff_s * 2, cfg.reconnect_max_s)
+                    self._retry_later(link)
                     log.warning("control link %s: cannot dial %s again: %s", link.link_id, link.address, e)

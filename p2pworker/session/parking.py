@@ -279,6 +279,7 @@ class ParkingLot:
         if not lease.offered:  # nothing can be read: end it now
             p.lease = None
             self.leases -= 1
+            # Invariant 7: nothing was offered under this lease, so no read of p's rows can run; its jobs may end now.
             if p.unneeded:  # its consumer's Done stands: the tombstone stays (later stores are not parked for nobody)
                 self.maybe_close(p)
             else:

@@ -976,7 +976,9 @@ class Worker:
         """The sessions' events (session.reporter's vocabulary) into the adapter's (api), in order."""
         for ev in self.reporter.take():
             if isinstance(ev, JobDone):
-                self.instruments.on_job_done(ev)  # a load's reads settled; not yet queued for the adapter
+                # Invariant 7: a hook may write this job's own rows here, by this process, only now: a load's reads
+                # have settled and the job is not yet queued for the adapter (so no byte lands after its report)
+                self.instruments.on_job_done(ev)
                 if not ev.success:
                     self._log_failed(ev)
             elif isinstance(ev, SessionClosed):
