@@ -10,6 +10,8 @@ import os
 import time
 
 from p2pworker import api
+from p2pworker.worker import actions as amod
+from p2pworker.worker import lane_host as lhmod
 from p2pworker.worker import loop as wmod
 from p2pworker.control import zmq_control
 from p2pworker.data import samehost
@@ -29,12 +31,13 @@ def rec(tag, *info):
 
 
 def install(w):
-    enc0 = wmod.encode
+    enc0 = amod.encode
 
     def enc(msg):
         _last["enc"] = (type(msg).__name__, getattr(msg, "request_id", "-"))
         return enc0(msg)
-    wmod.encode = enc
+    amod.encode = enc  # a session's messages (actions.py) and the LaneUp of a lane switch (lane_host.py)
+    lhmod.encode = enc
 
     send0 = zmq_control.ZmqControl.send
 
@@ -112,19 +115,19 @@ def install(w):
         return r
     pieces.PieceTransport.read_blocks = read_blocks
 
-    rr0 = w._read_result
+    rr0 = w.runner.read_result
 
     def read_result(tid, ok, reason):
         rec("read_result", ok)
         return rr0(tid, ok, reason)
-    w._read_result = read_result
+    w.runner.read_result = read_result
 
-    h0 = w._handle
+    h0 = w.commands.handle
 
     def handle(cmd):
         rec("cmd", type(cmd).__name__, getattr(cmd, "job_id", -1), getattr(cmd, "request_id", "-"))
         return h0(cmd)
-    w._handle = handle
+    w.commands.handle = handle
 
     pt0 = wmod.poll_timeout_s
 

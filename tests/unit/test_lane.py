@@ -163,7 +163,7 @@ IDS = handover.lane_ids("dialer-node", "acceptor-node")
 def dial(srv: handover.HandoverServer, key: bytes, token: bytes | None = None, timeout_s: float = 2.0,
          ids: bytes = IDS, took: list | None = None, take: bool = True) -> LaneDial:
     """A dial driven to its end, the acceptor's loop played here (it takes the lane and says so, as the worker's
-    _take_lanes does): returns the dial once taken, or raises LaneRefused.  ``took`` collects what the loop took."""
+    LaneHost.take does): returns the dial once taken, or raises LaneRefused.  ``took`` collects what the loop took."""
     d = LaneDial(srv.name, srv.token if token is None else token, key, ids, time.monotonic() + timeout_s)
     try:
         while True:

@@ -1,0 +1,191 @@
+"""Performing what a session asks for (its outbox of actions), and handing settled reads back to it.
+
+The session decides (sans-IO); this room does the I/O: sends on the control link or the session's lane, registers
+and removes data peers, dials and expects lanes, posts and cancels reads.  Failures feed back into the session
+iteratively, never re-entrantly: a send that fails closes it; a refused data peer closes it before anything else
+goes out; a read that cannot be posted is reported failed to it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from p2pworker.control.lane import LaneClosed
+from p2pworker.data.handover import lane_ids
+from p2pworker.errors import P2PError, PeerUnusable, TransferFailed
+from p2pworker.protocol.messages import encode
+from p2pworker.session import (
+    Action,
+    AddDataPeer,
+    CancelReads,
+    DialLane,
+    ExpectLane,
+    PostRead,
+    RemoveDataPeer,
+    Send,
+    Session,
+    State,
+)
+from p2pworker.worker.lanes import lane_end_reason
+
+if TYPE_CHECKING:
+    from p2pworker.worker.loop import Worker
+
+log = logging.getLogger("p2pworker.worker")
+
+
+@dataclass(frozen=True)
+class PostedRead:
+    session: Session
+    read_id: int
+
+
+class ReadBook:
+    """Our posted reads, both ways: data transfer id -> (session, its read id), and back (to cancel them)."""
+
+    def __init__(self) -> None:
+        self._by_tid: dict[int, PostedRead] = {}
+        self._by_read: dict[PostedRead, int] = {}
+
+    def add(self, tid: int, s: Session, read_id: int) -> None:
+        read = PostedRead(s, read_id)
+        self._by_tid[tid] = read
+        self._by_read[read] = tid
+
+    def pop(self, tid: int) -> PostedRead | None:
+        read = self._by_tid.pop(tid, None)
+        if read is not None:
+            del self._by_read[read]
+        return read
+
+    def tids(self, s: Session, read_ids) -> list[int]:
+        return [self._by_read[r] for r in (PostedRead(s, rid) for rid in read_ids) if r in self._by_read]
+
+    def __len__(self) -> int:
+        return len(self._by_tid)
+
+
+@dataclass
+class _Run:
+    """One session's actions being performed: ``link`` becomes None once nothing more may go out on it."""
+    link: str | None
+    s: Session
+    todo: collections.deque
+
+
+class ActionRunner:
+    def __init__(self, w: Worker) -> None:
+        self.w = w
+        self.reads = ReadBook()
+        self._held_sends: list | None = None  # see poll_data
+        self._perform = {Send: self._send, AddDataPeer: self._add_data_peer, RemoveDataPeer: self._remove_data_peer,
+                         DialLane: self._dial_lane, ExpectLane: self._expect_lane, PostRead: self._post_read,
+                         CancelReads: self._cancel_reads}
+
+    def run(self, link: str | None, s: Session, actions: list[Action]) -> None:
+        """Perform what ``s`` asked for, in order (``link`` None: a retired session, whose link is gone)."""
+        run = _Run(link, s, collections.deque(actions))
+        while run.todo:
+            a = run.todo.popleft()
+            self._perform[type(a)](run, a)
+        if s.state is State.CLOSED:
+            self.w.host.retire(s)
+        elif s.lane_in and run.link is not None:
+            self.w.lanes.lane_read(run.link, s)
+
+    # ------------------------------------------------------------ one action each
+    def _send(self, run: _Run, a: Send) -> None:
+        if run.link is None:
+            return  # a retired session: its link is gone
+        if self._held_sends is not None:  # inside poll_data: after the events (in order)
+            self._held_sends.append((run.link, run.s, a))
+            return
+        s = run.s
+        lane = self.w.lanes.switch.sending_lane(run.link, s)
+        try:
+            if lane is not None:
+                lane.send(encode(a.msg))  # LaneUp went out on the link: from then on, only the lane
+            else:
+                self.w.ctl.send(run.link, encode(a.msg))
+        except LaneClosed as e:  # the peer's end is gone: as a lost link (see LaneHost.poll)
+            run.link = None
+            run.todo.extend(s.close(lane_end_reason(lane, e)))
+        except P2PError as e:  # LaneBroken too
+            log.warning("control link %s: %s; closing its session", run.link, e)
+            link_was, run.link = run.link, None  # nothing more goes out on it
+            run.todo.extend(s.close(f"control link {link_was} unusable: {e}"))
+
+    def _add_data_peer(self, run: _Run, a: AddDataPeer) -> None:
+        try:
+            # a link a peer dialed (a PD producer's 64 consumers) proves its same-host path only when first read
+            # from (never, for a producer): no handover per accepted link
+            self.w.data.add_peer(run.link, a.info, now=a.dialed)
+        except TransferFailed as e:
+            run.todo.clear()  # not the HelloAck, not the queued messages
+            run.todo.extend(run.s.close(f"data plane refused the peer: {e}", bye=True))
+
+    def _remove_data_peer(self, run: _Run, a: RemoveDataPeer) -> None:
+        self.w.data.remove_peer(run.s.link)
+
+    def _dial_lane(self, run: _Run, a: DialLane) -> None:
+        target = self.w.data.lane_target(a.info) if run.link is not None else None
+        if target is not None:
+            self.w.lanes.switch.dial(run.link, run.s, target, a.key, lane_ids(self.w.ctx.node_id, run.s.peer_id))
+
+    def _expect_lane(self, run: _Run, a: ExpectLane) -> None:
+        s, data = run.s, self.w.data
+        server = data.lane_server()
+        # only a dialer on our host (same boot, our network namespace): nobody else can dial it here
+        if server is not None and run.link is not None and s.peer_info is not None and \
+                data.lane_target(s.peer_info) is not None:
+            server.expect_lane(a.key, lane_ids(s.peer_id, self.w.ctx.node_id), run.link)
+
+    def _post_read(self, run: _Run, a: PostRead) -> None:
+        s = run.s
+        try:
+            tid = self.w.data.read_blocks(s.link, a.local_rows, a.remote_rows)
+        except PeerUnusable as e:  # as a refusal at AddDataPeer: this session cannot move data
+            run.todo.extend(s.on_read_result(a.read_id, False, f"read refused: {e}"))
+            run.todo.extend(s.close(f"data plane refused the peer: {e}", bye=True))
+        except TransferFailed as e:
+            run.todo.extend(s.on_read_result(a.read_id, False, f"read refused: {e}"))
+        else:
+            self.reads.add(tid, s, a.read_id)
+
+    def _cancel_reads(self, run: _Run, a: CancelReads) -> None:
+        tids = self.reads.tids(run.s, a.read_ids)
+        if tids:
+            self.w.data.cancel(tids)
+
+    # ------------------------------------------------------------ settled reads
+    def poll_data(self) -> bool:
+        """Hand settled reads back to the sessions that posted them."""
+        done, failed = self.w.data.poll()
+        if not done and not failed:
+            return False
+        # What the sessions send about settled reads (Release to the producer) goes out after the events they
+        # reported (the load's JobFinished): vLLM waits on the event, the producer only frees rows on the Release
+        # (~60 us sooner to vLLM in benchmarks/hops' profile).  The order is safe: the reads settled before either.
+        self._held_sends = []
+        try:
+            for tid in done:
+                self.read_result(tid, True, "")
+            for tid, reason in failed:
+                self.read_result(tid, False, reason)
+        finally:
+            held, self._held_sends = self._held_sends, None
+            self.w.outbox.flush()
+            for link, s, send in held:  # even if a result raised: a Release withheld would pin the producer's rows
+                self.run(link, s, [send])
+        return True
+
+    def read_result(self, tid: int, ok: bool, reason: str) -> None:
+        read = self.reads.pop(tid)
+        if read is None:
+            self.w.counters["unowned_transfers"] += 1
+            return
+        s = read.session
+        self.run(self.w.host.link_of(s), s, s.on_read_result(read.read_id, ok, reason))

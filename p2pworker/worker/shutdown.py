@@ -1,0 +1,69 @@
+"""The orderly stop: fail or finish every job once, drain transfers, deregister, unmap, close the rings.
+
+The order is the invariant (drain before deregister): a posted read may still land in our rows until the data
+plane says it settled, so nothing is reported, unmapped or deregistered before that.  Reads that do not settle
+within shutdown_timeout_s end the process instead (NIXL cannot abort them; the process's death can).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2pworker.worker.loop import Worker
+
+log = logging.getLogger("p2pworker.worker")
+
+DELIVER_LAST_EVENTS_S = 2.0  # how long the last events may wait for an adapter that is alive but slow to read
+
+
+def shut_down(w: Worker) -> None:
+    reason = f"worker shutting down ({w.stop_reason or 'exit'})"
+    try:
+        _end_work(w, reason)
+        w.lanes.switch.close_all()  # sessions were retired with theirs: none expected here
+        if w.ctl is not None:
+            w.ctl.close()
+        _deliver_last_events(w)
+    finally:
+        if w.att is not None:
+            w.att.region.close()
+        if w.metrics is not None:
+            w.metrics.close()
+        w.admin.close()
+        w.evt.close()
+        w.cmd.close()
+        log.info("worker stopped: %s", w.stop_reason)
+
+
+def _end_work(w: Worker, reason: str) -> None:
+    host = w.host
+    w.commands.fail_queued(reason)
+    for link, sess in list(host.sessions.items()):
+        host.run(link, sess, sess.cancel_loads(reason))  # reported once their reads settled
+    if w.data is not None:
+        if not w.data.close(w.cfg.shutdown_timeout_s):
+            # Posted reads may still land in our rows, and NIXL cannot abort them: report nothing, unmap
+            # nothing; exit, which ends them (the adapter fails the jobs once this process is reaped).
+            w.abort(f"transfers still in flight {w.cfg.shutdown_timeout_s:g} s into the shutdown")
+        w.runner.poll_data()  # the cancelled reads settled: loads reported, Releases sent
+    for link, sess in list(host.sessions.items()):
+        host.run(link, sess, sess.close(reason, bye=True))
+    if w.ctx is not None:
+        held = w.ctx.lot.shutdown(reason)
+        if held:
+            # A consumer may still be reading those rows (a read goes by pid, not by registration):
+            # their store jobs are failed by the adapter once this process is gone, not by us now.
+            log.info("%d leased request(s) stay unreported until this process exits", held)
+
+
+def _deliver_last_events(w: Worker) -> None:
+    deadline = w.clock() + DELIVER_LAST_EVENTS_S
+    w.outbox.flush()
+    while w.outbox.waiting and w.clock() < deadline and w.cmd.peer_alive():
+        time.sleep(0.001)
+        w.outbox.flush()
+    if w.outbox.waiting:
+        log.warning("%d events could not be delivered: the adapter is gone or not reading", len(w.outbox.pending))

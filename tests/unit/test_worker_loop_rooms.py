@@ -1,0 +1,208 @@
+"""The worker loop's rooms without processes: its phase table, timers, read book, same-host lane records, event
+outbox and command table (p2pworker/worker/)."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import typing
+
+import pytest
+
+from p2pworker import api
+from p2pworker.errors import MessageTooLarge
+from p2pworker.session import Reporter, SessionClosed
+from p2pworker.worker.actions import ReadBook
+from p2pworker.worker.commands import Commands
+from p2pworker.worker.lanes import LANE_TIMEOUT_S, LaneLink, LaneStage, LaneSwitch
+from p2pworker.worker.outbox import EventOutbox
+from p2pworker.worker.phase import PHASE_MOVES, PhaseError, PhaseEvent, WorkerPhase, next_phase
+from p2pworker.worker.timers import Timer
+from p2pworker.instruments import Instruments
+from tests.helpers.session import Clock
+
+
+# ------------------------------------------------------------ phase
+@pytest.mark.parametrize("move", sorted(PHASE_MOVES, key=lambda m: (m[0].value, m[1].value)),
+                         ids=lambda m: f"{m[0].name}-{m[1].name}")
+def test_every_row_of_the_phase_table_is_the_move_the_worker_makes(move):
+    assert next_phase(*move) is PHASE_MOVES[move]
+
+
+def test_a_move_missing_from_the_phase_table_is_an_error_not_a_silent_stay():
+    missing = [(p, e) for p in WorkerPhase for e in PhaseEvent if (p, e) not in PHASE_MOVES]
+    assert missing  # RUNNING--DRAINED at least: Drained is only for a worker that was told to drain
+    for p, e in missing:
+        with pytest.raises(PhaseError):
+            next_phase(p, e)
+
+
+def test_only_a_running_worker_takes_work_and_every_phase_can_stop():
+    assert [p for p in WorkerPhase if p.takes_work] == [WorkerPhase.RUNNING]
+    assert all(next_phase(p, PhaseEvent.STOP) is WorkerPhase.STOPPING for p in WorkerPhase)
+    # drained is reached only through draining, and a drained worker stays drained on a second Drain
+    assert [k for k, v in PHASE_MOVES.items() if v is WorkerPhase.DRAINED and k[0] is not WorkerPhase.DRAINED] == \
+        [(WorkerPhase.DRAINING, PhaseEvent.DRAINED)]
+
+
+# ------------------------------------------------------------ timers
+def test_a_timer_is_due_once_per_period_and_a_late_turn_does_not_make_the_next_one_early():
+    t = Timer(1.0, 10.0)
+    assert not t.due(9.99)
+    assert t.due(10.0) and not t.due(10.5)
+    assert t.due(13.7)  # a late turn
+    assert not t.due(14.0) and t.due(14.7)
+
+
+# ------------------------------------------------------------ read book
+def test_the_read_book_finds_a_read_both_ways_and_forgets_it_once():
+    book = ReadBook()
+    a, b = object(), object()
+    book.add(7, a, 1)
+    book.add(8, a, 2)
+    book.add(9, b, 1)
+    assert sorted(book.tids(a, [1, 2, 3])) == [7, 8] and book.tids(b, [1]) == [9]
+    read = book.pop(7)
+    assert (read.session, read.read_id) == (a, 1)
+    assert book.pop(7) is None and book.tids(a, [1]) == [] and len(book) == 2
+
+
+# ------------------------------------------------------------ same-host lanes
+class _Session:
+    def __init__(self, lane_in=False):
+        self.peer_id, self.lane_in = "peer", lane_in
+
+
+class _Dial:
+    name = "peer"
+
+    def __init__(self, deadline, taken=False):
+        self.deadline, self.taken, self.closed = deadline, taken, False
+        self.sock = object()
+
+    def step(self):
+        return self.taken
+
+    def fileno(self):
+        return 99
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_a_link_holds_one_lane_record_and_only_an_up_lane_carries_messages(pair):
+    clock = Clock(100.0)
+    sw = LaneSwitch(1 << 20, 64, clock)
+    s = _Session(lane_in=True)
+    sw.offer("L", s, pair[0])
+    assert sw.state_of("L", s) == "control link" and sw.sending_lane("L", s) is None
+    assert sw.fds() == [] and not sw.polled()  # an offered lane waits silent: nothing to sleep on
+    epoch = sw.epoch
+    sw.up("L", s, sw.take_offered("L"))
+    assert sw.state_of("L", s) == "up" and sw.sending_lane("L", s) is not None
+    assert sw.sending_lane("L", _Session()) is None  # another session of the same link: not its lane
+    assert sw.epoch > epoch and sw.fds() == [pair[0].fileno()] and sw.polled()
+    sw.dial("L", s, ("ignored",), b"k", b"ids")  # a link with a lane dials nothing more
+    assert list(sw.links) == ["L"] and sw.links["L"].stage is LaneStage.UP
+    sw.drop("L", s)
+    assert not sw.links and pair[0].fileno() == -1
+
+
+def test_lanes_not_taken_or_not_switched_in_time_are_given_up(pair):
+    clock = Clock(100.0)
+    sw = LaneSwitch(1 << 20, 64, clock)
+    s = _Session()
+    dial = _Dial(clock() + LANE_TIMEOUT_S)
+    sw.links["D"] = LaneLink(s, LaneStage.DIALING, dial=dial, deadline=dial.deadline)
+    sw.offer("O", s, pair[0])
+    assert sw.state_of("D", s) == "dialing" and sw.fds() == [99]
+    clock.t += LANE_TIMEOUT_S
+    sw.deadlines(clock())
+    assert dial.closed and list(sw.links) == ["O"]  # the dial at its deadline; the offer lasts twice that
+    clock.t += LANE_TIMEOUT_S
+    sw.deadlines(clock())
+    assert not sw.links and pair[0].fileno() == -1
+
+
+def test_a_dial_taken_after_its_deadline_is_dropped_not_switched():
+    clock = Clock(100.0)
+    sw = LaneSwitch(1 << 20, 64, clock)
+    s = _Session()
+    late = _Dial(clock() - 0.1, taken=True)
+    on_time = _Dial(clock() + 1.0, taken=True)
+    sw.links["late"] = LaneLink(s, LaneStage.DIALING, dial=late, deadline=late.deadline)
+    sw.links["ok"] = LaneLink(s, LaneStage.DIALING, dial=on_time, deadline=on_time.deadline)
+    taken = list(sw.poll_dials())
+    assert [(t.link, t.dial) for t in taken] == [("ok", on_time)]
+    assert late.closed and not on_time.closed and not sw.links  # the host switches or closes the taken one
+
+
+# ------------------------------------------------------------ outbox
+class _Ring:
+    def __init__(self, room):
+        self.room, self.got, self.pending_bytes = room, [], 0
+
+    def try_put(self, ev):
+        if isinstance(ev, api.JobFinished) and ev.reason == "huge":
+            raise MessageTooLarge(10**9, 1 << 20, "evt")
+        if len(self.got) >= self.room:
+            return False
+        self.got.append(ev)
+        return True
+
+
+class _Owner:
+    instruments = Instruments()
+
+
+def test_the_outbox_keeps_order_waits_for_room_and_reports_an_oversized_job_as_failed():
+    clock = Clock(1.0)
+    reporter, counters, ring = Reporter(), collections.Counter(), _Ring(room=2)
+    box = EventOutbox(ring, reporter, counters, clock, _Owner())
+    reporter.open(1, "load", clock())
+    reporter.done(1, True, (b"k",), 10, clock(), "")
+    box.emit(api.Drained())  # after the job the session reported first
+    reporter.emit(SessionClosed("peer", "bye"))
+    box.flush()
+    assert [type(e) for e in ring.got] == [api.JobFinished, api.Drained]
+    assert box.waiting and counters["event_ring_full"] == 1 and counters["jobs_load_ok"] == 1
+    ring.room = 10
+    box.pending.append(api.JobFinished(2, "store", True, [], 0, 0.0, "huge"))
+    box.flush()
+    assert not box.waiting and isinstance(ring.got[2], api.PeerDown)
+    assert ring.got[3].job_id == 2 and not ring.got[3].success and "report too large" in ring.got[3].reason
+
+
+def test_job_done_reaches_the_instrument_point_before_the_job_is_queued():
+    seen = []
+
+    class Spy(Instruments):
+        def on_job_done(self, ev):
+            seen.append((ev.job_id, len(box.pending)))
+
+    owner = _Owner()
+    owner.instruments = Spy()
+    reporter = Reporter()
+    box = EventOutbox(_Ring(room=0), reporter, collections.Counter(), Clock(1.0), owner)
+    reporter.open(5, "load", 1.0)
+    reporter.done(5, False, (), 0, 1.0, "peer lost")
+    box.take_reported()
+    assert seen == [(5, 0)] and isinstance(box.pending[0], api.JobFinished)
+
+
+# ------------------------------------------------------------ commands
+def test_every_command_of_the_ring_api_has_exactly_one_handler():
+    class _W:
+        def attach(self, cmd):
+            pass
+
+    table = Commands(_W())._handlers
+    assert set(table) == set(typing.get_args(api.Command))
