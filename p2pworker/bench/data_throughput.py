@@ -1,6 +1,11 @@
 """Data-plane throughput, side by side in one run: raw NIXL calls, our NIXL transport, the ZMQ
 fallback and memcpy, over the same geometry (both regions in /dev/shm, two processes).
 
+    python -m p2pworker.bench.data_throughput [--block-bytes 16384 262144] [--blocks 64 512] [--reps 11]
+        [--batch-mib 32] [--copy-threads 2]
+
+``p2pworker bench`` runs the raw NIXL and memcpy contenders (contiguous rows) beside its workers.
+
 The measuring process is the consumer: it READs a producer process's rows into its own
 region (pull, as the worker does); the producer only makes progress (and serves the
 fallback's reads).
@@ -32,6 +37,7 @@ import multiprocessing as mp
 import os
 import queue
 import statistics
+import sys
 import time
 import uuid
 
@@ -226,3 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in bench_geometry(bb, args.blocks, args.reps, args.batch_mib << 20, copy_threads=args.copy_threads):
             print(json.dumps(row), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
