@@ -354,7 +354,7 @@ def fmt(vals: list[float]) -> str:
     return f"{statistics.median(vals):6.2f} [{min(vals):5.2f}..{max(vals):5.2f}]"
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="length of one sampling window")
     ap.add_argument("--rounds", type=int, default=3)
@@ -368,13 +368,11 @@ def main() -> int:
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--stop-timeout-s", type=float, default=60.0)
     ap.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir, kept on failure only)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    py = os.path.join(args.venv, "bin", "python")
-    report: dict = {"mode": args.mode, "seconds": args.seconds, "rounds": args.rounds, "settle_s": args.settle,
-                    "cores": os.cpu_count()}
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="p2pw-idle-cpu-logs.")
-    os.makedirs(log_dir, exist_ok=True)
+
+def _ensure_model(args: argparse.Namespace, py: str) -> str | None:
+    """Point ``args.model`` at the tiny model, built if it is not there; returns the temp dir to remove, if any."""
     model_tmp = None
     if args.model is None:
         model_tmp = tempfile.mkdtemp(prefix="p2pw-idle-cpu-model.")
@@ -384,96 +382,101 @@ def main() -> int:
         subprocess.run([py, "-m", "tests.helpers.tiny_model", args.model], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
         print(f"built the tiny model in {args.model} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return model_tmp
 
+
+def _wait_for_others(args: argparse.Namespace) -> float | None:
+    """Seconds waited until no other vllm.entrypoints process runs; None when they still run after
+    ``--wait-others-s``."""
     # another engineer's e2e engines: two pairs at once overload a 2-core box
     waited, t0 = 0.0, time.monotonic()
     while True:
         others = other_vllm(set())
         if not others:
-            break
+            return waited
         waited = time.monotonic() - t0
         if waited >= args.wait_others_s:
             print(f"other vllm.entrypoints processes still running after {waited:.0f} s: {others}; giving up",
                   file=sys.stderr)
-            return 2
+            return None
         print(f"waiting: other vllm.entrypoints processes {others} (load {loadavg()})", flush=True)
         time.sleep(args.poll_others_s)
-    report["waited_for_others_s"] = round(waited)
-    report["loadavg_before"] = loadavg()
-    print(f"load average before: {report['loadavg_before']}", flush=True)
 
-    secret = secrets.token_hex(32)
-    binds = {"tier": "0", "no_tier": "1"} if args.mode == "together" else {"tier": "0", "no_tier": "0"}
-    engines: dict[str, Engine] = {}
-    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
-    order_log: list[str] = []
-    others_during: set[int] = set()
-    ok = False
-    try:
-        def bring_up(names):
-            for n in names:
-                engines[n] = Engine(n, args, args.model, binds[n], log_dir, secret)
-                print(f"started {n}: pid {engines[n].pid}, http {engines[n].http}, engine_id "
-                      f"{engines[n].engine_id}", flush=True)
-            for n in names:
-                engines[n].wait_healthy(args.health_timeout_s)
-                text = engines[n].complete()
-                print(f"{n}: healthy after {engines[n].startup_s} s; completion {text!r}", flush=True)
-            time.sleep(args.settle)
 
-        def measure(n, r):
-            ours = {p for e in engines.values() for p in tree(e.pid)}
-            others_during.update(other_vllm(ours))
-            w = window(engines[n], args.seconds, ours)
-            results[n].append(w)
-            order_log.append(f"r{r}:{n}")
-            print(f"round {r} {n}: total {w['total']:.2f} % of a core ("
-                  + ", ".join(f"{k} {v['pct']:.2f}" for k, v in w["procs"].items())
-                  + f"); box {w['box_pct']:.1f} %; load {w['loadavg']}; others "
-                  + (", ".join(f"{o['pid']} {o['comm']} {o['pct']}" for o in w["others"]) or "none"), flush=True)
+class IdleRun:
+    """Both engines of one run, their sampling windows in the order ``--mode`` gives, and their stop."""
 
+    def __init__(self, args: argparse.Namespace, report: dict, log_dir: str):
+        self.args, self.report, self.log_dir = args, report, log_dir
+        self.secret = secrets.token_hex(32)
+        self.binds = {"tier": "0", "no_tier": "1"} if args.mode == "together" else {"tier": "0", "no_tier": "0"}
+        self.engines: dict[str, Engine] = {}
+        self.results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+        self.order_log: list[str] = []
+        self.others_during: set[int] = set()
+
+    def bring_up(self, names) -> None:
+        args, engines = self.args, self.engines
+        for n in names:
+            engines[n] = Engine(n, args, args.model, self.binds[n], self.log_dir, self.secret)
+            print(f"started {n}: pid {engines[n].pid}, http {engines[n].http}, engine_id "
+                  f"{engines[n].engine_id}", flush=True)
+        for n in names:
+            engines[n].wait_healthy(args.health_timeout_s)
+            text = engines[n].complete()
+            print(f"{n}: healthy after {engines[n].startup_s} s; completion {text!r}", flush=True)
+        time.sleep(args.settle)
+
+    def measure(self, n: str, r: int) -> None:
+        ours = {p for e in self.engines.values() for p in tree(e.pid)}
+        self.others_during.update(other_vllm(ours))
+        w = window(self.engines[n], self.args.seconds, ours)
+        self.results[n].append(w)
+        self.order_log.append(f"r{r}:{n}")
+        print(f"round {r} {n}: total {w['total']:.2f} % of a core ("
+              + ", ".join(f"{k} {v['pct']:.2f}" for k, v in w["procs"].items())
+              + f"); box {w['box_pct']:.1f} %; load {w['loadavg']}; others "
+              + (", ".join(f"{o['pid']} {o['comm']} {o['pct']}" for o in w["others"]) or "none"), flush=True)
+
+    def rounds(self) -> None:
+        args, report, engines = self.args, self.report, self.engines
         if args.mode == "together":
-            bring_up(list(CONFIGS))
+            self.bring_up(list(CONFIGS))
             for r in range(args.rounds):
                 for n in (CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
-                    measure(n, r)
+                    self.measure(n, r)
         else:
             for n in CONFIGS:
-                bring_up([n])
+                self.bring_up([n])
                 for r in range(args.rounds):
-                    measure(n, r)
+                    self.measure(n, r)
                 if n == "tier":
                     report["worker_status"] = engines[n].worker_status()
                 report.setdefault("stop", {})[n] = engines[n].stop(args.stop_timeout_s)
         if "tier" in engines and "worker_status" not in report:
             report["worker_status"] = engines["tier"].worker_status()
-        ok = True
-    finally:
+
+    def stop(self) -> None:
+        """Stop every engine not stopped yet; what was left of each, into the report."""
+        report, engines = self.report, self.engines
         for n, e in engines.items():
             if n not in report.get("stop", {}):
-                report.setdefault("stop", {})[n] = e.stop(args.stop_timeout_s)
+                report.setdefault("stop", {})[n] = e.stop(self.args.stop_timeout_s)
         report["startup_s"] = {n: e.startup_s for n, e in engines.items()}
         report["engine_ids"] = {n: e.engine_id for n, e in engines.items()}
         report["kv_transfer_config"] = {n: e.kv for n, e in engines.items()}
         report["loadavg_after"] = loadavg()
-        report["other_vllm_during"] = sorted(others_during)
+        report["other_vllm_during"] = sorted(self.others_during)
         leftover = [p for e in engines.values() for p in tree(e.pid) if e.proc.returncode is None]
         report["leftover_processes"] = leftover
-        if model_tmp:
-            shutil.rmtree(model_tmp, ignore_errors=True)
-        if ok and not args.log_dir:
-            shutil.rmtree(log_dir, ignore_errors=True)
-        elif not ok:
-            print(f"logs kept in {log_dir}", file=sys.stderr)
 
-    # ------------------------------------------------------------------------------------------------ report
-    rows: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
-    for c in CONFIGS:
-        for w in results[c]:
-            for name, p in w["procs"].items():
-                rows[c].setdefault(name, []).append(p["pct"])
-            rows[c].setdefault("TOTAL", []).append(w["total"])
-    diffs = [t["total"] - n["total"] for t, n in zip(results["tier"], results["no_tier"])]
+
+def _stats(v: list[float]) -> dict:
+    return {"median": round(statistics.median(v), 3), "min": round(min(v), 3), "max": round(max(v), 3),
+            "rounds": [round(x, 3) for x in v]}
+
+
+def _print_table(args: argparse.Namespace, rows: dict[str, dict[str, list[float]]], diffs: list[float]) -> None:
     names = sorted({k for c in CONFIGS for k in rows[c]} - {"TOTAL"},
                    key=lambda k: ("api_server", "engine_core", "p2pworker").index(k)
                    if k in ("api_server", "engine_core", "p2pworker") else 9) + ["TOTAL"]
@@ -484,6 +487,18 @@ def main() -> int:
     for k in names:
         print(f"{k:<18}{fmt(rows['tier'].get(k, [])):>26}{fmt(rows['no_tier'].get(k, [])):>26}")
     print(f"{'tier - no_tier':<18}{fmt(diffs):>26}   (per-round paired difference of TOTAL)")
+
+
+def _report(args: argparse.Namespace, report: dict, results: dict[str, list[dict]], order_log: list[str]) -> int:
+    """The table and the JSON line; 1 when an engine's stop left something behind."""
+    rows: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
+    for c in CONFIGS:
+        for w in results[c]:
+            for name, p in w["procs"].items():
+                rows[c].setdefault(name, []).append(p["pct"])
+            rows[c].setdefault("TOTAL", []).append(w["total"])
+    diffs = [t["total"] - n["total"] for t, n in zip(results["tier"], results["no_tier"])]
+    _print_table(args, rows, diffs)
     ctx = {c: {k: statistics.median([w["procs"][k]["ctxt_per_s"] for w in results[c] if k in w["procs"]])
                for k in rows[c] if k != "TOTAL"} for c in CONFIGS if results[c]}
     print("context switches/s (median): " + "; ".join(
@@ -493,11 +508,8 @@ def main() -> int:
     summary = {
         **report,
         "order": order_log,
-        "pct_of_core": {c: {k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
-                                "max": round(max(v), 3), "rounds": [round(x, 3) for x in v]}
-                            for k, v in rows[c].items()} for c in CONFIGS},
-        "diff_total": {"median": round(statistics.median(diffs), 3), "min": round(min(diffs), 3),
-                       "max": round(max(diffs), 3), "rounds": [round(x, 3) for x in diffs]} if diffs else None,
+        "pct_of_core": {c: {k: _stats(v) for k, v in rows[c].items()} for c in CONFIGS},
+        "diff_total": _stats(diffs) if diffs else None,
         "ctxt_per_s": ctx,
         "box_pct_of_core": {c: [round(w["box_pct"], 2) for w in results[c]] for c in CONFIGS},
         "top_threads": {c: [w["top_threads"] for w in results[c]] for c in CONFIGS},
@@ -511,6 +523,37 @@ def main() -> int:
     if bad:
         print(f"NOT CLEAN: {bad}: {json.dumps({n: report['stop'][n] for n in bad})}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def main() -> int:
+    args = _args()
+    py = os.path.join(args.venv, "bin", "python")
+    report: dict = {"mode": args.mode, "seconds": args.seconds, "rounds": args.rounds, "settle_s": args.settle,
+                    "cores": os.cpu_count()}
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="p2pw-idle-cpu-logs.")
+    os.makedirs(log_dir, exist_ok=True)
+    model_tmp = _ensure_model(args, py)
+    waited = _wait_for_others(args)
+    if waited is None:
+        return 2
+    report["waited_for_others_s"] = round(waited)
+    report["loadavg_before"] = loadavg()
+    print(f"load average before: {report['loadavg_before']}", flush=True)
+
+    run = IdleRun(args, report, log_dir)
+    ok = False
+    try:
+        run.rounds()
+        ok = True
+    finally:
+        run.stop()
+        if model_tmp:
+            shutil.rmtree(model_tmp, ignore_errors=True)
+        if ok and not args.log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif not ok:
+            print(f"logs kept in {log_dir}", file=sys.stderr)
+    return _report(args, report, run.results, run.order_log)
 
 
 if __name__ == "__main__":

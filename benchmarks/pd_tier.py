@@ -247,11 +247,146 @@ def payload(rid: str, i: int, row: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(-128, 128, row, dtype=np.int8)
 
 
+class _Scheduler:
+    """One scheduler process's manager, its tier (wrapped: timed, and traced with $HOPTRACE_DIR) and the commands
+    the parent sends it."""
+
+    def __init__(self, kind: str, role: str, row: int, mgr, kv):
+        self.kind, self.row, self.mgr, self.kv = kind, row, mgr, kv
+        tier = mgr.secondary_tiers[0]
+        if kind == "ours-noahead":  # the session is opened by the first load, as before on_new_request opened it
+            tier._open_ahead = lambda address: None
+        # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
+        self.TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
+        self.ACC = _hop_acc(mgr, tier) if self.TR is not None else None
+        self.timed = Timed(tier)
+        self.lock = getattr(mgr, "lock", None) or threading.Lock()
+        # last: the primary region's rows, released (view = None) before the manager shuts down; never held in a
+        # method's local, which a traceback would keep
+        self.view = np.asarray(tier._primary_kv_view)
+
+    def step(self, new=()) -> None:
+        with self.lock:
+            self.mgr.on_schedule_end(self.kv.ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
+
+    def loop(self, conn) -> None:
+        """Step every 1 ms; between steps, run the parent's commands and answer each, until "quit"."""
+        while True:
+            if not conn.poll(0.001):
+                self.step()
+                continue
+            cmd = conn.recv()
+            if cmd[0] == "quit":
+                return
+            run = self.COMMANDS.get(cmd[0])
+            if run is not None:
+                conn.send(run(self, *cmd[1:]))
+
+    def store(self, rid: str, n: int) -> str:
+        """What prefill does: primary store, then the cascade parks it in the tier."""
+        mgr, TR = self.mgr, self.TR
+        self.timed.take()  # from here on: the producer's tier calls for this request (store + cascade)
+        if TR is not None:
+            TR.append((time.monotonic_ns(), "store_cmd", rid))
+        ctx = self.kv.ReqContext(req_id=rid, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
+        keys = [key(rid, i) for i in range(n)]
+        index = {k: i for i, k in enumerate(keys)}  # not keys.index: O(n) per key
+        with self.lock:
+            mgr.on_new_request(ctx)
+            out = mgr.prepare_store(keys, ctx)
+        for k, r in zip(out.keys_to_store, out.store_spec.chunk_ids.tolist()):
+            self.view[r] = payload(rid, index[k], self.row)
+        with self.lock:
+            mgr.complete_store(out.keys_to_store, ctx)
+            mgr.on_request_finished(ctx)
+        self.step([rid])
+        if TR is not None:
+            TR.append((time.monotonic_ns(), "store_stepped", rid))
+        return "stored"
+
+    def drain(self) -> dict:
+        """Producer: wait until the tier reported its jobs, then report its calls."""
+        deadline = time.monotonic() + 30
+        while self.mgr._jobs and time.monotonic() < deadline:
+            self.step()
+            time.sleep(0.001)
+        return {"calls": self.timed.take(), "left": len(self.mgr._jobs), "off_thread_s": self.timed.off_thread_s}
+
+    def fetch(self, rid: str, n: int, pport: int) -> dict:
+        """What decode does: lookups until every key is HIT, then load the rows and compare their bytes."""
+        mgr = self.mgr
+        ctx = self.kv.ReqContext(req_id=f"d-{rid}", kv_transfer_params={"remote_prefiller": {
+            "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": pport}})
+        keys = [key(rid, i) for i in range(n)]
+        if self.kind.startswith("ideal"):  # its bytes are staged before the clock starts: no source
+            from benchmarks import ideal_tier
+
+            ideal_tier.STAGED.update((k, payload(rid, i, self.row)) for i, k in enumerate(keys))
+        self.timed.take()
+        t0 = time.perf_counter()
+        with self.lock:
+            mgr.on_new_request(ctx)
+        res, pass_s = self._lookup_passes(rid, ctx, keys)
+        dt = time.perf_counter() - t0
+        ok = all(r is self.kv.LookupResult.HIT for r in res) and self._load(rid, ctx, keys)
+        with self.lock:
+            mgr.on_request_finished(ctx)
+        if self.kind.startswith("ideal"):
+            ideal_tier.STAGED.clear()
+        return {"s": dt, "ok": ok, "results": sorted({r.name for r in res}), "calls": self.timed.take(),
+                "off_thread_s": self.timed.off_thread_s, "passes": len(pass_s), "pass_s": pass_s}
+
+    def _lookup_passes(self, rid: str, ctx, keys: list) -> tuple[list, list[float]]:
+        """Passes of lookups over every key, each followed by a step and a 1 ms sleep, until every key is HIT, one
+        is a MISS, or 60 s passed: (the last pass's results, each pass's seconds)."""
+        mgr, TR, ACC, LookupResult = self.mgr, self.TR, self.ACC, self.kv.LookupResult
+        first = True
+        deadline = time.monotonic() + 60
+        pass_s: list[float] = []  # each pass of lookups over every key (vLLM's manager + the tier)
+        while True:
+            if TR is not None:
+                ACC.clear()
+                TR.append((time.monotonic_ns(), "lk0", rid, "cpu=%d" % time.thread_time_ns()))
+            tp = time.perf_counter()
+            with self.lock:
+                res = [mgr.lookup(k, ctx) for k in keys]
+            pass_s.append(time.perf_counter() - tp)
+            if TR is not None:
+                TR.append((time.monotonic_ns(), "lk1", rid, ",".join(sorted({r.name for r in res})),
+                           "cpu=%d" % time.thread_time_ns(),
+                           ";".join(f"{k}={v // 1000}" for k, v in sorted(ACC.items()))))
+            if all(r is LookupResult.HIT for r in res) or time.monotonic() > deadline:
+                return res, pass_s
+            if any(r is LookupResult.MISS for r in res):
+                return res, pass_s
+            self.step([ctx.req_id] if first else ())
+            first = False
+            if TR is not None:
+                TR.append((time.monotonic_ns(), "stepped", rid))
+            time.sleep(0.001)
+            if TR is not None:
+                TR.append((time.monotonic_ns(), "slept", rid))
+
+    def _load(self, rid: str, ctx, keys: list) -> bool:
+        """Every key HIT: load them into the primary tier; True when their rows hold the bytes stored."""
+        with self.lock:
+            spec_l = self.mgr.prepare_load(keys, ctx)
+        rows = spec_l.chunk_ids.tolist()
+        # ideal-nocopy moves no byte by design: every key HIT is all it can show
+        ok = self.kind == "ideal-nocopy" or all((self.view[r] == payload(rid, i, self.row)).all()
+                                                for i, r in enumerate(rows))
+        with self.lock:
+            self.mgr.complete_load(keys, ctx)
+        return ok
+
+    COMMANDS = {"store": store, "drain": drain, "fetch": fetch}
+
+
 def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, peer_port: int = 0,
            tier_extra: dict | None = None) -> None:
     """One scheduler: steps every 1 ms; runs commands from the parent between steps."""
     os.environ.setdefault("P2PWORKER_SECRET", "pd-tier-bench")
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload import base as kv
 
     try:
         mgr = build(kind, role, port, row, num_chunks, peer_port, tier_extra)
@@ -259,122 +394,22 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
         # vLLM's get_manager already undid what it built (tiers shut down, region unlinked); the parent gets why
         conn.send(Failed(role, traceback.format_exc()))
         raise
-    TR = view = None
+    sched = None
     try:  # from here on the manager exists: whatever happens, it is shut down (its region file unlinked)
-        tier = mgr.secondary_tiers[0]
-        if kind == "ours-noahead":  # the session is opened by the first load, as before on_new_request opened it
-            tier._open_ahead = lambda address: None
-        # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
-        TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
-        ACC = _hop_acc(mgr, tier) if TR is not None else None
-        timed = Timed(tier)
-        view = np.asarray(tier._primary_kv_view)
-        lock = getattr(mgr, "lock", None) or threading.Lock()
-
-        def step(new=()):
-            with lock:
-                mgr.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
-
+        sched = _Scheduler(kind, role, row, mgr, kv)
         conn.send("ready")
-        while True:
-            if not conn.poll(0.001):
-                step()
-                continue
-            cmd = conn.recv()
-            if cmd[0] == "quit":
-                break
-            if cmd[0] == "store":  # what prefill does: primary store, then the cascade parks it in the tier
-                _, rid, n = cmd
-                timed.take()  # from here on: the producer's tier calls for this request (store + cascade)
-                if TR is not None:
-                    TR.append((time.monotonic_ns(), "store_cmd", rid))
-                ctx = ReqContext(req_id=rid, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
-                keys = [key(rid, i) for i in range(n)]
-                index = {k: i for i, k in enumerate(keys)}  # not keys.index: O(n) per key
-                with lock:
-                    mgr.on_new_request(ctx)
-                    out = mgr.prepare_store(keys, ctx)
-                for k, r in zip(out.keys_to_store, out.store_spec.chunk_ids.tolist()):
-                    view[r] = payload(rid, index[k], row)
-                with lock:
-                    mgr.complete_store(out.keys_to_store, ctx)
-                    mgr.on_request_finished(ctx)
-                step([rid])
-                if TR is not None:
-                    TR.append((time.monotonic_ns(), "store_stepped", rid))
-                conn.send("stored")
-            elif cmd[0] == "drain":  # producer: wait until the tier reported its jobs, then report its calls
-                deadline = time.monotonic() + 30
-                while mgr._jobs and time.monotonic() < deadline:
-                    step()
-                    time.sleep(0.001)
-                conn.send({"calls": timed.take(), "left": len(mgr._jobs), "off_thread_s": timed.off_thread_s})
-            elif cmd[0] == "fetch":
-                _, rid, n, pport = cmd
-                ctx = ReqContext(req_id=f"d-{rid}", kv_transfer_params={"remote_prefiller": {
-                    "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": pport}})
-                keys = [key(rid, i) for i in range(n)]
-                if kind.startswith("ideal"):  # its bytes are staged before the clock starts: no source
-                    from benchmarks import ideal_tier
-
-                    ideal_tier.STAGED.update((k, payload(rid, i, row)) for i, k in enumerate(keys))
-                timed.take()
-                t0 = time.perf_counter()
-                with lock:
-                    mgr.on_new_request(ctx)
-                first = True
-                deadline = time.monotonic() + 60
-                pass_s: list[float] = []  # each pass of lookups over every key (vLLM's manager + the tier)
-                while True:
-                    if TR is not None:
-                        ACC.clear()
-                        TR.append((time.monotonic_ns(), "lk0", rid, "cpu=%d" % time.thread_time_ns()))
-                    tp = time.perf_counter()
-                    with lock:
-                        res = [mgr.lookup(k, ctx) for k in keys]
-                    pass_s.append(time.perf_counter() - tp)
-                    if TR is not None:
-                        TR.append((time.monotonic_ns(), "lk1", rid, ",".join(sorted({r.name for r in res})),
-                                   "cpu=%d" % time.thread_time_ns(),
-                                   ";".join(f"{k}={v // 1000}" for k, v in sorted(ACC.items()))))
-                    if all(r is LookupResult.HIT for r in res) or time.monotonic() > deadline:
-                        break
-                    if any(r is LookupResult.MISS for r in res):
-                        break
-                    step([ctx.req_id] if first else ())
-                    first = False
-                    if TR is not None:
-                        TR.append((time.monotonic_ns(), "stepped", rid))
-                    time.sleep(0.001)
-                    if TR is not None:
-                        TR.append((time.monotonic_ns(), "slept", rid))
-                dt = time.perf_counter() - t0
-                ok = all(r is LookupResult.HIT for r in res)
-                if ok:
-                    with lock:
-                        spec_l = mgr.prepare_load(keys, ctx)
-                    rows = spec_l.chunk_ids.tolist()
-                    # ideal-nocopy moves no byte by design: every key HIT is all it can show
-                    ok = kind == "ideal-nocopy" or all((view[r] == payload(rid, i, row)).all()
-                                                       for i, r in enumerate(rows))
-                    with lock:
-                        mgr.complete_load(keys, ctx)
-                with lock:
-                    mgr.on_request_finished(ctx)
-                if kind.startswith("ideal"):
-                    ideal_tier.STAGED.clear()
-                conn.send({"s": dt, "ok": ok, "results": sorted({r.name for r in res}), "calls": timed.take(),
-                           "off_thread_s": timed.off_thread_s, "passes": len(pass_s), "pass_s": pass_s})
+        sched.loop(conn)
     except Exception:
         with contextlib.suppress(OSError):  # the parent may be gone (that may be what raised)
             conn.send(Failed(role, traceback.format_exc()))  # in place of the answer the parent waits for
         raise
     finally:
         try:
-            if TR is not None:
-                _hop_dump(TR, role)
+            if sched is not None and sched.TR is not None:
+                _hop_dump(sched.TR, role)
         finally:
-            del view
+            if sched is not None:
+                sched.view = None
             mgr.shutdown()
         with contextlib.suppress(OSError):
             conn.send("closed")

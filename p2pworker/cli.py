@@ -60,27 +60,9 @@ def launch(config_path, settings_json, rings, name, host, port, advertise_host, 
     root_level, own_level = log_levels(verbose, os.environ)
     logging.basicConfig(level=root_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("p2pworker").setLevel(own_level)
-    over: dict = {"rings": rings}
-    control: dict = {}
-    for key, value in (("host", host), ("port", port), ("dp_index", dp_index), ("advertise_host", advertise_host)):
-        if value is not None:
-            control[key] = value
-    if no_auth:
-        control["auth"] = False
-    if control:
-        over["control"] = control
-    if name:
-        over["name"] = name
-    if backend:
-        over["data"] = {"backend": backend}
-    if admin_path:
-        over["admin_path"] = admin_path
-    if metrics_port is not None:
-        over["metrics_port"] = metrics_port
-    if metrics_host is not None:
-        over["metrics_host"] = metrics_host
-    if wait_rings_s is not None:
-        over["wait_rings_s"] = wait_rings_s
+    over = _launch_overrides(rings, name=name, host=host, port=port, advertise_host=advertise_host,
+                             dp_index=dp_index, backend=backend, admin_path=admin_path, metrics_port=metrics_port,
+                             metrics_host=metrics_host, no_auth=no_auth, wait_rings_s=wait_rings_s)
     try:
         inline = None
         if settings_json is not None:
@@ -100,6 +82,29 @@ def launch(config_path, settings_json, rings, name, host, port, advertise_host, 
         raise click.ClickException(f"worker did not start: {e}") from e
     worker.install_signal_handlers()
     sys.exit(worker.run())
+
+
+def _launch_overrides(rings: str, *, name, host, port, advertise_host, dp_index, backend, admin_path, metrics_port,
+                      metrics_host, no_auth, wait_rings_s) -> dict:
+    """``launch``'s flags as settings, the config file's shape (applied last): only the flags given."""
+    over: dict = {"rings": rings}
+    control = {key: value for key, value in (("host", host), ("port", port), ("dp_index", dp_index),
+                                             ("advertise_host", advertise_host)) if value is not None}
+    if no_auth:
+        control["auth"] = False
+    if control:
+        over["control"] = control
+    if name:
+        over["name"] = name
+    if backend:
+        over["data"] = {"backend": backend}
+    if admin_path:
+        over["admin_path"] = admin_path
+    for key, value in (("metrics_port", metrics_port), ("metrics_host", metrics_host),
+                       ("wait_rings_s", wait_rings_s)):
+        if value is not None:
+            over[key] = value
+    return over
 
 
 def log_levels(verbose: int, env) -> tuple[int, int]:
@@ -159,31 +164,37 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
         if "error" in st:
             click.echo(f"{st['admin']}: {st['error']}\n")
             continue
-        click.echo(f"worker {st['name']} (pid {st['pid']})  {st['state']}  up {st['uptime_s']:.0f} s")
-        click.echo(f"  control {st['address']}  data {st['backend']}  fingerprint {st['fingerprint']}")
-        click.echo(f"  jobs in flight {st['jobs_in_flight']}  transfers in flight {st['transfers_in_flight']}  "
-                   f"bytes read {st['bytes_read']}  parked requests {st['parked_requests']}")
-        click.echo(f"  errors {st['counters'].get('errors', 0)}  "
-                   f"protocol errors {st['counters'].get('protocol_errors', 0)}"
-                   f"  peer deaths {st['counters'].get('peer_deaths', 0)}")
-        if st["sessions"]:
-            rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s.get("data_path") or "-",
-                     s.get("lane") or "-", s["close_reason"]] for s in st["sessions"]]
-            click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "data path", "messages via",
-                                            "closed because"])
-                       .replace("\n", "\n  "))
-            for s in st["sessions"]:  # why a link does not copy on this host: what an operator asks first
-                if s.get("data_path_why"):
-                    click.echo(f"  {s['link']}: {s['data_path']}, not same_host: {s['data_path_why']}")
-                pf = s.get("peer_region_prefault")
-                if pf and pf["state"] != "done":  # copies out of pages not yet mapped here fault (slower, same bytes)
-                    click.echo(f"  {s['link']}: peer region pre-fault {pf['state']}, "
-                               f"{pf['scanned_bytes'] >> 20} of {pf['nbytes'] >> 20} MiB walked"
-                               + (f": {pf['error']}" if pf["error"] else ""))
+        _echo_worker(st)
         click.echo("")
     if failed:
         click.echo(f"{len(failed)} of {len(out)} worker(s) did not answer", err=True)
         sys.exit(1)
+
+
+def _echo_worker(st: dict) -> None:
+    """``inspect``'s text for one worker that answered."""
+    click.echo(f"worker {st['name']} (pid {st['pid']})  {st['state']}  up {st['uptime_s']:.0f} s")
+    click.echo(f"  control {st['address']}  data {st['backend']}  fingerprint {st['fingerprint']}")
+    click.echo(f"  jobs in flight {st['jobs_in_flight']}  transfers in flight {st['transfers_in_flight']}  "
+               f"bytes read {st['bytes_read']}  parked requests {st['parked_requests']}")
+    click.echo(f"  errors {st['counters'].get('errors', 0)}  "
+               f"protocol errors {st['counters'].get('protocol_errors', 0)}"
+               f"  peer deaths {st['counters'].get('peer_deaths', 0)}")
+    if not st["sessions"]:
+        return
+    rows = [[s["peer_id"] or "?", s["link"], s["state"], s["open_loads"], s.get("data_path") or "-",
+             s.get("lane") or "-", s["close_reason"]] for s in st["sessions"]]
+    click.echo("  " + _table(rows, ["peer", "link", "state", "loads", "data path", "messages via",
+                                    "closed because"])
+               .replace("\n", "\n  "))
+    for s in st["sessions"]:  # why a link does not copy on this host: what an operator asks first
+        if s.get("data_path_why"):
+            click.echo(f"  {s['link']}: {s['data_path']}, not same_host: {s['data_path_why']}")
+        pf = s.get("peer_region_prefault")
+        if pf and pf["state"] != "done":  # copies out of pages not yet mapped here fault (slower, same bytes)
+            click.echo(f"  {s['link']}: peer region pre-fault {pf['state']}, "
+                       f"{pf['scanned_bytes'] >> 20} of {pf['nbytes'] >> 20} MiB walked"
+                       + (f": {pf['error']}" if pf["error"] else ""))
 
 
 @main.command()
@@ -198,34 +209,15 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
     as an authentication failure.  Exit status 1 when unreachable, rejected or
     (with --expect-fingerprint) incompatible.
     """
-    from p2pworker.control import ControlConfig, LinkDown, LinkUp, Received, ZmqControl
+    from p2pworker.control import ControlConfig, ZmqControl
     from p2pworker.errors import P2PError
-    from p2pworker.protocol import messages as m
 
     try:
         ctl = ZmqControl(ControlConfig(port=0, heartbeat_interval_s=timeout_s / 3))
     except P2PError as e:
         raise click.ClickException(str(e)) from e
     try:
-        t0 = time.perf_counter()
-        link = ctl.connect(address)
-        info = up_s = probe_s = None
-        deadline = time.monotonic() + timeout_s
-        while info is None and time.monotonic() < deadline:
-            for ev in ctl.poll(10):
-                if isinstance(ev, LinkDown):
-                    raise click.ClickException(f"{address}: {ev.reason}")
-                if isinstance(ev, LinkUp):
-                    up_s = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                    ctl.send(link, m.encode(m.Probe(m.PROTOCOL_VERSION)))
-                if isinstance(ev, Received):
-                    msg = m.decode(ev.payload)
-                    if isinstance(msg, m.ProbeInfo):
-                        probe_s = time.perf_counter() - t1
-                        info = msg
-        if info is None:
-            raise click.ClickException(f"{address}: no answer within {timeout_s} s")
+        info, up_s, probe_s = _probe(ctl, address, timeout_s)
     except P2PError as e:
         raise click.ClickException(f"{address}: {e}") from e
     finally:
@@ -248,6 +240,34 @@ def ping(address: str, expect_fingerprint: str | None, timeout_s: float, as_json
             click.echo(f"  compatible with {expect_fingerprint}: {'yes' if compatible else 'NO'}")
     if compatible is False:
         sys.exit(1)
+
+
+def _probe(ctl, address: str, timeout_s: float):
+    """Dial ``address`` and probe it: (its ProbeInfo, seconds to the authenticated link, the probe's round trip);
+    ClickException when the link goes down or nothing answers within ``timeout_s``."""
+    from p2pworker.control import LinkDown, LinkUp, Received
+    from p2pworker.protocol import messages as m
+
+    t0 = time.perf_counter()
+    link = ctl.connect(address)
+    info = up_s = probe_s = None
+    deadline = time.monotonic() + timeout_s
+    while info is None and time.monotonic() < deadline:
+        for ev in ctl.poll(10):
+            if isinstance(ev, LinkDown):
+                raise click.ClickException(f"{address}: {ev.reason}")
+            if isinstance(ev, LinkUp):
+                up_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                ctl.send(link, m.encode(m.Probe(m.PROTOCOL_VERSION)))
+            if isinstance(ev, Received):
+                msg = m.decode(ev.payload)
+                if isinstance(msg, m.ProbeInfo):
+                    probe_s = time.perf_counter() - t1
+                    info = msg
+    if info is None:
+        raise click.ClickException(f"{address}: no answer within {timeout_s} s")
+    return info, up_s, probe_s
 
 
 main.add_command(router_command)

@@ -188,6 +188,22 @@ TIER_OWNED = {
 }
 
 
+def _check_tier_worker_settings(doc: dict[str, Any], inline_source: str) -> None:
+    """Refuse what a tier's worker_settings must not hold: a secret, and the settings the tier decides itself."""
+    # as the loader will read it: [worker] keys (tables too) may also stand at the top, and the other way round
+    flat = {**doc, **doc["worker"]} if isinstance(doc.get("worker"), dict) else dict(doc)
+    control = flat.get("control")
+    if isinstance(control, dict) and "secret" in control:
+        # the settings reach the worker on its command line, which every local user can read (ps, /proc)
+        raise ConfigError(f"{inline_source}: $.control.secret: not here: a secret in the JSON would be on the "
+                          "worker's command line; set $P2PWORKER_SECRET (or [control] secret in worker_config)")
+    for path, owner in TIER_OWNED.items():
+        section, key = path.split(".")
+        table = flat if section == "worker" else flat.get(section)
+        if isinstance(table, dict) and key in table:
+            raise ConfigError(f"{inline_source}: $.{path}: set by the tier ({owner}), not by its settings")
+
+
 def tier_settings(config: dict[str, Any], env: Mapping[str, str] = os.environ) -> tuple[TierSettings, WorkerConfig]:
     """The tier's keys typed and range-checked, and the settings its worker will run with: worker_config, then
     worker_settings, then the tier's own host/port/backend.  Checked now, so vLLM's start fails naming the key,
@@ -202,19 +218,7 @@ def tier_settings(config: dict[str, Any], env: Mapping[str, str] = os.environ) -
         raise ConfigError(f"{TIER_SOURCE}: {e}") from None
     inline_source = f"{TIER_SOURCE}.worker_settings"
     if s.worker_settings is not None:
-        # as the loader will read it: [worker] keys (tables too) may also stand at the top, and the other way round
-        doc = s.worker_settings
-        flat = {**doc, **doc["worker"]} if isinstance(doc.get("worker"), dict) else dict(doc)
-        control = flat.get("control")
-        if isinstance(control, dict) and "secret" in control:
-            # the settings reach the worker on its command line, which every local user can read (ps, /proc)
-            raise ConfigError(f"{inline_source}: $.control.secret: not here: a secret in the JSON would be on the "
-                              "worker's command line; set $P2PWORKER_SECRET (or [control] secret in worker_config)")
-        for path, owner in TIER_OWNED.items():
-            section, key = path.split(".")
-            table = flat if section == "worker" else flat.get(section)
-            if isinstance(table, dict) and key in table:
-                raise ConfigError(f"{inline_source}: $.{path}: set by the tier ({owner}), not by its settings")
+        _check_tier_worker_settings(s.worker_settings, inline_source)
     try:
         cfg = load_config(s.worker_config, inline=s.worker_settings, inline_source=inline_source)
     except OSError as e:

@@ -1,6 +1,11 @@
 """Data-plane throughput, side by side in one run: raw NIXL calls, our NIXL transport, the ZMQ
 fallback and memcpy, over the same geometry (both regions in /dev/shm, two processes).
 
+    python -m p2pworker.bench.data_throughput [--block-bytes 16384 262144] [--blocks 64 512] [--reps 11]
+        [--batch-mib 32] [--copy-threads 2]
+
+``p2pworker bench`` runs the raw NIXL and memcpy contenders (contiguous rows) beside its workers.
+
 The measuring process is the consumer: it READs a producer process's rows into its own
 region (pull, as the worker does); the producer only makes progress (and serves the
 fallback's reads).
@@ -32,6 +37,7 @@ import multiprocessing as mp
 import os
 import queue
 import statistics
+import sys
 import time
 import uuid
 
@@ -79,6 +85,19 @@ def _rows(pattern: str, n: int, num_blocks: int, rng: np.random.Generator) -> tu
     if pattern == "contig":
         return np.arange(n), np.arange(n)
     return rng.permutation(num_blocks)[:n], rng.permutation(num_blocks)[:n]
+
+
+def _transport_once(tr, lr: np.ndarray, rr: np.ndarray):
+    """One read of rows ``rr`` into ``lr`` through our transport ``tr``, polled until it is reported."""
+    def once():
+        tid = tr.read_blocks("t", lr, rr)
+        while True:
+            done, failed = tr.poll()
+            if failed:
+                raise RuntimeError(f"transfer failed: {failed}")
+            if tid in done:
+                return
+    return once
 
 
 def _interleaved_gbps(fns: dict, nbytes: int, reps: int, batch_bytes: int) -> dict[str, float]:
@@ -151,17 +170,6 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                 def raw_once(li=li, ri=ri):
                     raw_read(raw, local_dl, li, remote_dl, ri)
 
-                def transport_once(tr, lr=lr, rr=rr):
-                    def once():
-                        tid = tr.read_blocks("t", lr, rr)
-                        while True:
-                            done, failed = tr.poll()
-                            if failed:
-                                raise RuntimeError(f"transfer failed: {failed}")
-                            if tid in done:
-                                return
-                    return once
-
                 # src_arr/dst_arr from the enclosing scope, not bound as defaults: they are deleted (del, below)
                 # before the regions close, which a closure default would keep exported
                 def memcpy_once(lr=lr, rr=rr, n=n, pattern=pattern):
@@ -170,9 +178,9 @@ def bench_geometry(block_bytes: int, counts: list[int], reps: int, batch_bytes: 
                     else:
                         dst_arr[lr] = src_arr[rr]  # noqa: F821
 
-                fns = {"raw_nixl": raw_once, "p2pworker_nixl": transport_once(ours),
-                       "p2pworker_zmq": transport_once(fb), "p2pworker_same_host": transport_once(same),
-                       "memcpy": memcpy_once}
+                fns = {"raw_nixl": raw_once, "p2pworker_nixl": _transport_once(ours, lr, rr),
+                       "p2pworker_zmq": _transport_once(fb, lr, rr),
+                       "p2pworker_same_host": _transport_once(same, lr, rr), "memcpy": memcpy_once}
                 gbps = _interleaved_gbps({k: f for k, f in fns.items() if only is None or k in only},
                                          nbytes, reps, batch_bytes)
                 descs = {"raw_nixl": n, "p2pworker_nixl": ours.stats.last_descriptors,
@@ -224,3 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in bench_geometry(bb, args.blocks, args.reps, args.batch_mib << 20, copy_threads=args.copy_threads):
             print(json.dumps(row), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

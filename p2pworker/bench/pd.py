@@ -100,46 +100,15 @@ class PDRig:
         deadline = time.monotonic() + timeout_s
         while submitted < requests or live:
             while submitted < requests and len(live) < inflight:
-                self._req += 1
-                req = f"demo-{self._req}"
-                if contiguous:
-                    start = int(self.rng.integers(self.num_blocks // blocks)) * blocks
-                    src_rows = np.arange(start, start + blocks)
-                    slot = next(i for i in range(0, self.num_blocks - blocks + 1, blocks) if free[i:i + blocks].all())
-                    dst_rows = np.arange(slot, slot + blocks)
-                else:
-                    src_rows = self.rng.choice(self.num_blocks, blocks, replace=False)
-                    dst_rows = self.rng.choice(np.flatnonzero(free), blocks, replace=False)
-                free[dst_rows] = False
-                keys = [b"%s/%d" % (req.encode(), i) for i in range(blocks)]
-                sj, lj = self._job + 1, self._job + 2
-                self._job += 2
-                if not self.prefill.send(api.StoreJob(sj, req, keys, src_rows.tolist())) or \
-                   not self.prefill.send(api.RequestFinished(req)):
-                    raise P2PError("prefill command ring full")
-                t0 = time.perf_counter()
-                if not self.decode.send(api.LoadJob(lj, self.prefill.ready.address, req, keys, dst_rows.tolist())):
-                    raise P2PError("decode command ring full")
-                live[lj] = (sj, src_rows, dst_rows, t0)
-                stores[sj] = False
+                lj, flight = self._submit(blocks, contiguous, free)
+                live[lj] = flight
+                stores[flight[0]] = False
                 submitted += 1
-            for ev in self.prefill.poll():
-                if isinstance(ev, api.JobFinished):
-                    stores[ev.job_id] = True
-                    if not ev.success:
-                        res.failures.append(f"store {ev.job_id}: {ev.reason}")
+            self._poll_stores(stores, res)
             for ev in self.decode.wait(0.002):
                 if not isinstance(ev, api.JobFinished) or ev.job_id not in live:
                     continue
-                sj, src_rows, dst_rows, t0 = live.pop(ev.job_id)
-                res.latencies_s.append(time.perf_counter() - t0)
-                if not ev.success:
-                    res.failures.append(f"load {ev.job_id}: {ev.reason}")
-                else:
-                    res.bytes_moved += ev.nbytes
-                    if verify and not np.array_equal(dst_all[dst_rows], src_all[src_rows]):
-                        res.mismatches += 1
-                free[dst_rows] = True
+                self._loaded(ev, live.pop(ev.job_id), res, free, verify, src_all, dst_all)
                 if progress:
                     progress(1)
             if time.monotonic() > deadline:
@@ -149,15 +118,62 @@ class PDRig:
         res.seconds = time.perf_counter() - t_start
         wait_until = time.monotonic() + 10
         while not all(stores.values()) and time.monotonic() < wait_until:
-            for ev in self.prefill.poll():
-                if isinstance(ev, api.JobFinished):
-                    stores[ev.job_id] = True
+            self._poll_stores(stores)
             time.sleep(0.001)
         missing = [j for j, done in stores.items() if not done]
         if missing:
             res.failures.append(f"store jobs never reported: {missing[:5]}")
         del src_all, dst_all
         return res
+
+    def _rows(self, blocks: int, contiguous: bool, free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One request's prefill rows and the free decode rows granted to it."""
+        if contiguous:
+            start = int(self.rng.integers(self.num_blocks // blocks)) * blocks
+            slot = next(i for i in range(0, self.num_blocks - blocks + 1, blocks) if free[i:i + blocks].all())
+            return np.arange(start, start + blocks), np.arange(slot, slot + blocks)
+        src_rows = self.rng.choice(self.num_blocks, blocks, replace=False)
+        return src_rows, self.rng.choice(np.flatnonzero(free), blocks, replace=False)
+
+    def _submit(self, blocks: int, contiguous: bool, free: np.ndarray) -> tuple[int, tuple]:
+        """One request: its blocks stored on prefill, loaded by decode.  (load job, (store job, src rows, dst rows,
+        t0))."""
+        self._req += 1
+        req = f"demo-{self._req}"
+        src_rows, dst_rows = self._rows(blocks, contiguous, free)
+        free[dst_rows] = False
+        keys = [b"%s/%d" % (req.encode(), i) for i in range(blocks)]
+        sj, lj = self._job + 1, self._job + 2
+        self._job += 2
+        if not self.prefill.send(api.StoreJob(sj, req, keys, src_rows.tolist())) or \
+           not self.prefill.send(api.RequestFinished(req)):
+            raise P2PError("prefill command ring full")
+        t0 = time.perf_counter()
+        if not self.decode.send(api.LoadJob(lj, self.prefill.ready.address, req, keys, dst_rows.tolist())):
+            raise P2PError("decode command ring full")
+        return lj, (sj, src_rows, dst_rows, t0)
+
+    def _poll_stores(self, stores: dict[int, bool], res: PDResult | None = None) -> None:
+        """Prefill's reports: each store job seen done; a failed one counted in ``res`` (when given)."""
+        for ev in self.prefill.poll():
+            if isinstance(ev, api.JobFinished):
+                stores[ev.job_id] = True
+                if res is not None and not ev.success:
+                    res.failures.append(f"store {ev.job_id}: {ev.reason}")
+
+    @staticmethod
+    def _loaded(ev: api.JobFinished, flight: tuple, res: PDResult, free: np.ndarray, verify: bool,
+                src_all: np.ndarray, dst_all: np.ndarray) -> None:
+        """A load job's report: its latency, its bytes (compared with ``verify``), its decode rows free again."""
+        _, src_rows, dst_rows, t0 = flight
+        res.latencies_s.append(time.perf_counter() - t0)
+        if not ev.success:
+            res.failures.append(f"load {ev.job_id}: {ev.reason}")
+        else:
+            res.bytes_moved += ev.nbytes
+            if verify and not np.array_equal(dst_all[dst_rows], src_all[src_rows]):
+                res.mismatches += 1
+        free[dst_rows] = True
 
     def close(self) -> list[int | None]:
         codes = [c.close() for c in self.clients]

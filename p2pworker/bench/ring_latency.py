@@ -9,12 +9,11 @@ Contenders, measured side by side in one run:
 - ``mp_queue``: two ``multiprocessing.Queue``.
 - ``zmq_ipc_pair``: one ZMQ PAIR socket pair over ``ipc://``.
 
-Each prints one JSON line: contender, n, p50_us, p99_us, mean_us.
+Each prints one JSON line: contender, n, p50_us, p99_us, mean_us.  Run by ``p2pworker bench-ring``.
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -193,16 +192,3 @@ def run(n: int = 20000, warmup: int = 2000, wake_n: int = 500, wake_gap_s: float
         _summary("mp_queue", bench_queue(n, warmup)),
         _summary("zmq_ipc_pair", bench_zmq(n, warmup)),
     ]
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-n", type=int, default=20000, help="round trips per contender")
-    ap.add_argument("--warmup", type=int, default=2000)
-    ap.add_argument("--wake-n", type=int, default=500, help="round trips for the wake-from-sleep contender")
-    args = ap.parse_args(argv)
-    for row in run(args.n, args.warmup, args.wake_n):
-        print(json.dumps(row), flush=True)
-    return 0

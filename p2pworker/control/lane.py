@@ -146,18 +146,26 @@ class Lane:
                     self._then = end
                     break
                 raise end
-            flag, body = d[:1], d[1:]
-            if flag not in (MORE, LAST):
-                raise LaneBroken("a lane datagram out of framing")
-            self._partial.append(body)
-            self._partial_bytes += len(body)
-            if self._partial_bytes > self.max_frame_bytes:
-                raise LaneBroken(f"a lane frame past {self.max_frame_bytes} bytes")
-            if flag == LAST:
-                frames.append(b"".join(self._partial))
-                self._partial, self._partial_bytes = [], 0
+            frame = self._assemble(d)
+            if frame is not None:
+                frames.append(frame)
         self.frames_in += len(frames)
         return frames
+
+    def _assemble(self, d: bytes) -> bytes | None:
+        """One datagram onto the frame being read: the whole frame when the datagram was its last."""
+        flag, body = d[:1], d[1:]
+        if flag not in (MORE, LAST):
+            raise LaneBroken("a lane datagram out of framing")
+        self._partial.append(body)
+        self._partial_bytes += len(body)
+        if self._partial_bytes > self.max_frame_bytes:
+            raise LaneBroken(f"a lane frame past {self.max_frame_bytes} bytes")
+        if flag != LAST:
+            return None
+        frame = b"".join(self._partial)
+        self._partial, self._partial_bytes = [], 0
+        return frame
 
     def close(self) -> None:
         if self.state is not LaneState.CLOSED:

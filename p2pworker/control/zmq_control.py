@@ -674,24 +674,28 @@ class ZmqControl(ControlTransport):
             kind, body = frames
             if link.state is LinkState.UP:
                 link.last_recv = self._clock()
-            match dealer_move(link.state, kind):
-                case Act.DELIVER:
-                    self._events.append(Received(link.link_id, body))
-                case Act.KEEPALIVE:
-                    pass
-                case Act.CHALLENGE:
-                    self._on_challenge(link, body)
-                case Act.WELCOME:
-                    self._up(link)
-                case Act.REJECTED:
-                    self.counters["rejected_handshakes"] += 1
-                    self._down(link, f"rejected by {link.address}: {body.decode(errors='replace')}", retry=False)
-                case Act.RESET:
-                    self._down(link, f"{link.address} no longer knows this link (it restarted?)", retry=True)
-                case Act.BYE:
-                    self._down(link, "peer closed the link", retry=True)
-                case _:
-                    self.counters["malformed_frames"] += 1
+            self._on_dealer_frame(link, dealer_move(link.state, kind), body)
+
+    def _on_dealer_frame(self, link: Link, act: Act, body: bytes) -> None:
+        """One well-formed frame on an outbound link, as :func:`dealer_move` classed it."""
+        match act:
+            case Act.DELIVER:
+                self._events.append(Received(link.link_id, body))
+            case Act.KEEPALIVE:
+                pass
+            case Act.CHALLENGE:
+                self._on_challenge(link, body)
+            case Act.WELCOME:
+                self._up(link)
+            case Act.REJECTED:
+                self.counters["rejected_handshakes"] += 1
+                self._down(link, f"rejected by {link.address}: {body.decode(errors='replace')}", retry=False)
+            case Act.RESET:
+                self._down(link, f"{link.address} no longer knows this link (it restarted?)", retry=True)
+            case Act.BYE:
+                self._down(link, "peer closed the link", retry=True)
+            case _:
+                self.counters["malformed_frames"] += 1
 
     def _on_challenge(self, link: Link, body: bytes) -> None:
         try:

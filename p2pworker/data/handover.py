@@ -57,7 +57,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from p2pworker.errors import RegionIdentityError
 from p2pworker.shm.region import READONLY_OPEN_FLAGS, file_id
@@ -229,38 +229,47 @@ class HandoverServer:
         try:
             while True:
                 now = time.monotonic()
-                for fd, c in list(self._conns.items()):
-                    if c.deadline <= now:
-                        self._drop(poller, fd)
-                if self._listen_again_at is not None and now >= self._listen_again_at:
-                    poller.modify(listener, select.POLLIN)
-                    self._listen_again_at = None
-                wakes = [c.deadline for c in self._conns.values()]
-                if self._listen_again_at is not None:
-                    wakes.append(self._listen_again_at)
-                # wake for the nearest deadline; idle, block: an idle worker pays nothing here
-                wait_ms = max(1, math.ceil((min(wakes) - now) * 1000)) if wakes else None
-                for fd, _ in poller.poll(wait_ms):
+                self._expire(poller, now)
+                for fd, _ in poller.poll(self._wait_ms(now)):
                     if fd == self._stop_r:
                         return
                     if fd == listener:
                         self._accept(poller)
                     elif fd in self._conns:
-                        try:
-                            nxt = self._step(self._conns[fd])
-                        except RegionIdentityError as e:  # ours, not the peer's: every consumer would be refused
-                            log.warning("same-host handover refused: %s", e)
-                            nxt = _Next.CLOSE
-                        except Exception as e:  # a peer's bad connection never ends the thread
-                            log.debug("same-host handover: a connection ended without one: %s", e)
-                            nxt = _Next.CLOSE
-                        if nxt is _Next.CLOSE:
-                            self._drop(poller, fd)
-                        elif nxt is _Next.HANDED:
-                            self._hand_lane(poller, fd)
+                        self._on_readable(poller, fd)
         finally:
             for fd in list(self._conns):
                 self._drop(poller, fd)
+
+    def _expire(self, poller: select.poll, now: float) -> None:
+        """Drop the connections past their deadline; listen again once an accept pause is over."""
+        for fd, c in list(self._conns.items()):
+            if c.deadline <= now:
+                self._drop(poller, fd)
+        if self._listen_again_at is not None and now >= self._listen_again_at:
+            poller.modify(self._sock.fileno(), select.POLLIN)
+            self._listen_again_at = None
+
+    def _wait_ms(self, now: float) -> int | None:
+        wakes = [c.deadline for c in self._conns.values()]
+        if self._listen_again_at is not None:
+            wakes.append(self._listen_again_at)
+        # wake for the nearest deadline; idle, block: an idle worker pays nothing here
+        return max(1, math.ceil((min(wakes) - now) * 1000)) if wakes else None
+
+    def _on_readable(self, poller: select.poll, fd: int) -> None:
+        try:
+            nxt = self._step(self._conns[fd])
+        except RegionIdentityError as e:  # ours, not the peer's: every consumer would be refused
+            log.warning("same-host handover refused: %s", e)
+            nxt = _Next.CLOSE
+        except Exception as e:  # a peer's bad connection never ends the thread
+            log.debug("same-host handover: a connection ended without one: %s", e)
+            nxt = _Next.CLOSE
+        if nxt is _Next.CLOSE:
+            self._drop(poller, fd)
+        elif nxt is _Next.HANDED:
+            self._hand_lane(poller, fd)
 
     def _accept(self, poller: select.poll) -> None:
         for _ in range(ACCEPTS_PER_WAKE):  # a flood of connects must not keep us from deadlines and the stop pipe
@@ -431,6 +440,50 @@ def _peer_pidfd(s: socket.socket) -> int | None:
         return None
 
 
+def _ask(s: socket.socket, name: str, token: bytes, n_files: int, handed: Handed, left: Callable[[], float]) -> bool:
+    """Connect to ``name``, present ``token`` and take the descriptors into ``handed``.  True when the sender waits
+    for our ack (no pidfd from the kernel here)."""
+    s.settimeout(left())
+    s.connect("\0" + name)  # an abstract name: exists only in this network namespace
+    pidfd = _peer_pidfd(s)  # the listener's process, as the kernel recorded it at connect
+    if pidfd is not None:
+        handed.pidfd = pidfd
+    mode_ack = pidfd is None
+    s.settimeout(left())
+    s.sendall(MAGIC + (MODE_ACK if mode_ack else MODE_PIDFD) + token)
+    while len(handed.fds) < n_files:
+        s.settimeout(left())
+        msg, fds, flags = _recv_fds(s)
+        handed.fds.extend(fds)  # first, so that they are closed whatever follows
+        if not msg:
+            raise HandoverRefused(Failure.NO_ANSWER, f"{name} closed without handing over files "
+                                                     f"(our token refused, or it exited)")
+        if msg != b"F" or flags & socket.MSG_CTRUNC or not fds:
+            raise HandoverRefused(Failure.NO_ANSWER, f"{name} answered out of protocol")
+    return mode_ack
+
+
+def _pidfd_of_waiting_sender(s: socket.socket, pid: int, handed: Handed) -> None:
+    """Older kernels: open the pidfd by pid, then make sure the sender is still connected (it waits for our ack in
+    this mode): its socket open means its thread group is not gone, so the pid was not reaped and reused, and the
+    pidfd names it (a process still exiting: its pidfd shows the exit soon, and every copy checks that after it
+    ran)."""
+    try:
+        handed.pidfd = os.pidfd_open(pid)
+    except OSError as e:
+        raise HandoverRefused(Failure.NO_PROCESS, f"pidfd_open({pid}): {e}") from e
+    s.setblocking(False)  # with a timeout set, Python would wait for data even under MSG_DONTWAIT
+    try:
+        extra = s.recv(1)
+    except BlockingIOError:
+        pass
+    except OSError as e:
+        raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} during the handover: {e}") from e
+    else:
+        why = "closed the handover before our ack (it may have exited)" if not extra else "sent more"
+        raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} {why}")
+
+
 def receive(name: str, token: bytes, n_files: int, timeout_s: float = TIMEOUT_S) -> Handed:
     """Ask the handover socket ``name`` for its descriptors.  Returns at most about ``timeout_s`` later, with
     the descriptors, the sender's pid as the kernel names it here and a pidfd of it, or raises
@@ -447,23 +500,7 @@ def receive(name: str, token: bytes, n_files: int, timeout_s: float = TIMEOUT_S)
     handed = Handed(pid=0, pidfd=-1)
     try:
         try:
-            s.settimeout(left())
-            s.connect("\0" + name)  # an abstract name: exists only in this network namespace
-            pidfd = _peer_pidfd(s)  # the listener's process, as the kernel recorded it at connect
-            if pidfd is not None:
-                handed.pidfd = pidfd
-            mode_ack = pidfd is None
-            s.settimeout(left())
-            s.sendall(MAGIC + (MODE_ACK if mode_ack else MODE_PIDFD) + token)
-            while len(handed.fds) < n_files:
-                s.settimeout(left())
-                msg, fds, flags = _recv_fds(s)
-                handed.fds.extend(fds)  # first, so that they are closed whatever follows
-                if not msg:
-                    raise HandoverRefused(Failure.NO_ANSWER, f"{name} closed without handing over files "
-                                                             f"(our token refused, or it exited)")
-                if msg != b"F" or flags & socket.MSG_CTRUNC or not fds:
-                    raise HandoverRefused(Failure.NO_ANSWER, f"{name} answered out of protocol")
+            mode_ack = _ask(s, name, token, n_files, handed, left)
         except (OSError, ValueError) as e:  # refused, no such name here, timed out, reset
             raise HandoverRefused(Failure.NO_ANSWER, f"{name}: {type(e).__name__}: {e}") from e
         pid, _, _ = _UCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
@@ -471,24 +508,7 @@ def receive(name: str, token: bytes, n_files: int, timeout_s: float = TIMEOUT_S)
             raise HandoverRefused(Failure.NO_PROCESS, "its worker runs in a PID namespace not visible here")
         handed.pid = pid
         if handed.pidfd < 0:
-            # Older kernels: open the pidfd by pid, then make sure the sender is still connected (it waits for our
-            # ack in this mode): its socket open means its thread group is not gone, so the pid was not reaped and
-            # reused, and the pidfd names it (a process still exiting: its pidfd shows the exit soon, and every copy
-            # checks that after it ran).
-            try:
-                handed.pidfd = os.pidfd_open(pid)
-            except OSError as e:
-                raise HandoverRefused(Failure.NO_PROCESS, f"pidfd_open({pid}): {e}") from e
-            s.setblocking(False)  # with a timeout set, Python would wait for data even under MSG_DONTWAIT
-            try:
-                extra = s.recv(1)
-            except BlockingIOError:
-                pass
-            except OSError as e:
-                raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} during the handover: {e}") from e
-            else:
-                why = "closed the handover before our ack (it may have exited)" if not extra else "sent more"
-                raise HandoverRefused(Failure.NO_PROCESS, f"pid {pid} {why}")
+            _pidfd_of_waiting_sender(s, pid, handed)
         # Whichever way the pidfd came: a process that already exited (then its vLLM may reuse the rows) is refused.
         p = select.poll()
         p.register(handed.pidfd, select.POLLIN)

@@ -126,6 +126,34 @@ def _resolve(name_or_path: str) -> str:
     return name_or_path if "/" in name_or_path else f"{SHM_DIR}/{name_or_path}"
 
 
+def _open_segment(i: int, seg: Segment, readonly: bool, expect_id: tuple[int, int] | None,
+                  fds: list[int]) -> tuple[int, int]:
+    """Open segment ``i`` (its descriptor appended to ``fds``, which the caller closes) and check it is the regular
+    file ``expect_id`` names, large enough for what the handle maps; returns its identity (st_dev, st_ino)."""
+    # read-only is how we open ANOTHER process's files, by paths a peer named
+    flags = READONLY_OPEN_FLAGS if readonly else os.O_RDWR | os.O_CLOEXEC
+    try:
+        fd = os.open(seg.path, flags)
+    except FileNotFoundError as e:
+        raise RegionError(f"segment {i} of the region does not exist: {seg.path}") from e
+    fds.append(fd)
+    fid = file_id(fd)
+    if fid is None:
+        raise RegionIdentityError(f"segment {i} ({seg.path}) is not a regular file")
+    size = os.fstat(fd).st_size
+    # the identity of the descriptor we are about to map, not of a path looked up again later
+    if expect_id is not None and tuple(expect_id) != fid:
+        raise RegionIdentityError(
+            f"segment {i} ({seg.path}) is another file here: device/inode {fid}, expected {tuple(expect_id)}"
+        )
+    if size < seg.file_offset + seg.nbytes:
+        raise RegionGeometryError(
+            f"segment {i} ({seg.path}) is {size} bytes but the handle maps "
+            f"{seg.nbytes} bytes from offset {seg.file_offset}"
+        )
+    return fid
+
+
 class KVRegion:
     """A mapped KV region.  Use :meth:`create` (owner) or :meth:`attach` / :meth:`attach_files`.
 
@@ -148,29 +176,7 @@ class KVRegion:
             raise RegionGeometryError(f"{len(expect_ids)} file identities for {len(handle.segments)} segments")
         try:
             for i, seg in enumerate(handle.segments):
-                # read-only is how we open ANOTHER process's files, by paths a peer named
-                flags = READONLY_OPEN_FLAGS if readonly else os.O_RDWR | os.O_CLOEXEC
-                try:
-                    fd = os.open(seg.path, flags)
-                except FileNotFoundError as e:
-                    raise RegionError(f"segment {i} of the region does not exist: {seg.path}") from e
-                fds.append(fd)
-                fid = file_id(fd)
-                if fid is None:
-                    raise RegionIdentityError(f"segment {i} ({seg.path}) is not a regular file")
-                size = os.fstat(fd).st_size
-                ids.append(fid)
-                # the identity of the descriptor we are about to map, not of a path looked up again later
-                if expect_ids is not None and tuple(expect_ids[i]) != ids[-1]:
-                    raise RegionIdentityError(
-                        f"segment {i} ({seg.path}) is another file here: device/inode {ids[-1]}, "
-                        f"expected {tuple(expect_ids[i])}"
-                    )
-                if size < seg.file_offset + seg.nbytes:
-                    raise RegionGeometryError(
-                        f"segment {i} ({seg.path}) is {size} bytes but the handle maps "
-                        f"{seg.nbytes} bytes from offset {seg.file_offset}"
-                    )
+                ids.append(_open_segment(i, seg, readonly, None if expect_ids is None else expect_ids[i], fds))
             base = vm.reserve(self._reserved)
             at = base
             for seg, fd in zip(handle.segments, fds):

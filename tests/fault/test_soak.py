@@ -50,17 +50,7 @@ def test_soak_mixed_traffic_with_random_faults(nodes, figures):
         if now - t_start > WARMUP_S and not samples:
             samples.append((rss_kib(d.pid), fd_count(d.pid), rss_anon_kib(d.pid), now))
         if now >= next_fault:
-            p = rng.choice(prods)
-            if rng.random() < 0.5:
-                p.kill()
-                p.client.close(timeout_s=5)
-                p.start()
-                faults["sigkill_restart"] += 1
-            else:
-                p.kill(signal.SIGSTOP)
-                time.sleep(2.0)
-                p.kill(signal.SIGCONT)
-                faults["sigstop_2s"] += 1
+            _random_fault(rng, prods, faults)
             next_fault = time.monotonic() + rng.uniform(6, 10)
         in_flight = len(loads) - len(reported)
         if in_flight < 4:
@@ -98,3 +88,18 @@ def test_soak_mixed_traffic_with_random_faults(nodes, figures):
     figure(figures, f"soak {SOAK_S:.0f} s: consumer heap growth after {WARMUP_S:.0f} s warm-up / RSS / fds",
            f"{per_min:+.2f} MiB/min / {(rss_end - rss0) / 1024:+.1f} MiB / {fds0}->{fds_end}",
            f"< {GROWTH_MIB_PER_MIN:g} MiB/min / < 32 MiB / ≤ +16")
+
+
+def _random_fault(rng: random.Random, prods: list, faults: dict[str, int]) -> None:
+    """One producer, drawn at random, SIGKILLed and restarted or SIGSTOPped for 2 s; counted in ``faults``."""
+    p = rng.choice(prods)
+    if rng.random() < 0.5:
+        p.kill()
+        p.client.close(timeout_s=5)
+        p.start()
+        faults["sigkill_restart"] += 1
+    else:
+        p.kill(signal.SIGSTOP)
+        time.sleep(2.0)
+        p.kill(signal.SIGCONT)
+        faults["sigstop_2s"] += 1

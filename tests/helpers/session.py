@@ -134,28 +134,45 @@ class Side:
         todo = list(actions)
         while todo:
             a = todo.pop(0)
-            if isinstance(a, Send):
-                if s is self.session:  # an older session's link is gone: what it sends is lost
-                    self.outbox.append(m.encode(a.msg))
-            elif isinstance(a, AddDataPeer):
-                try:
-                    self.data.add_peer(s.link, a.info)
-                except TransferFailed as e:
-                    todo = list(s.close(f"data plane refused the peer: {e}", bye=True))
-            elif isinstance(a, RemoveDataPeer):
-                self.data.remove_peer(s.link)
-            elif isinstance(a, PostRead):
-                try:
-                    tid = self.data.read_blocks(s.link, s, a.read_id, a.local_rows, a.remote_rows)
-                except TransferFailed as e:
-                    todo += s.on_read_result(a.read_id, False, f"read refused: {e}")
-                else:
-                    self._tids[(id(s), a.read_id)] = tid
-            elif isinstance(a, CancelReads):
-                for rid in a.read_ids:
-                    tid = self._tids.get((id(s), rid))
-                    if tid is not None and tid in self.data.reads:
-                        self.data.reads[tid].cancelled = True
+            do = self._DO.get(type(a))
+            if do is not None:
+                todo = do(self, s, a, todo)
+
+    # Each takes one action of session ``s`` and the actions still to run after it; returns those to run next.
+    def _send(self, s: Session, a: Send, todo: list) -> list:
+        if s is self.session:  # an older session's link is gone: what it sends is lost
+            self.outbox.append(m.encode(a.msg))
+        return todo
+
+    def _add_data_peer(self, s: Session, a: AddDataPeer, todo: list) -> list:
+        try:
+            self.data.add_peer(s.link, a.info)
+        except TransferFailed as e:
+            return list(s.close(f"data plane refused the peer: {e}", bye=True))
+        return todo
+
+    def _remove_data_peer(self, s: Session, a: RemoveDataPeer, todo: list) -> list:
+        self.data.remove_peer(s.link)
+        return todo
+
+    def _post_read(self, s: Session, a: PostRead, todo: list) -> list:
+        try:
+            tid = self.data.read_blocks(s.link, s, a.read_id, a.local_rows, a.remote_rows)
+        except TransferFailed as e:
+            todo += s.on_read_result(a.read_id, False, f"read refused: {e}")
+            return todo
+        self._tids[(id(s), a.read_id)] = tid
+        return todo
+
+    def _cancel_reads(self, s: Session, a: CancelReads, todo: list) -> list:
+        for rid in a.read_ids:
+            tid = self._tids.get((id(s), rid))
+            if tid is not None and tid in self.data.reads:
+                self.data.reads[tid].cancelled = True
+        return todo
+
+    _DO = {Send: _send, AddDataPeer: _add_data_peer, RemoveDataPeer: _remove_data_peer, PostRead: _post_read,
+           CancelReads: _cancel_reads}
 
     def receive(self, frame: bytes) -> None:
         self.run(self.session, self.session.receive(frame))

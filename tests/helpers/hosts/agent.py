@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -77,53 +78,71 @@ class Agent:
 
     def handle(self, req: dict) -> dict:
         op = req["op"]
-        if op == "start":
-            return self.start(req["name"], req["blocks"], req["block_bytes"], req["host"], req["port"],
-                              req.get("seed", 0), req.get("settings"), req.get("advertise"))
-        if op in ("store", "load"):
-            keys = [bytes.fromhex(k) for k in req["keys"]]
-            cmd = (api.StoreJob(req["job"], req["request"], keys, req["rows"]) if op == "store" else
-                   api.LoadJob(req["job"], req["address"], req["request"], keys, req["rows"]))
-            if not self.client.send(cmd):
-                raise RuntimeError("command ring full")
-            return {}
-        if op == "wait":
-            want, deadline = set(req["jobs"]), time.monotonic() + req["timeout_s"]
-            exit_code = None
-            while not want <= set(self.done) and time.monotonic() < deadline:
+        handler = self._OPS.get(op)
+        if handler is None:
+            raise ValueError(f"unknown op {op!r}")
+        return handler(self, req)
+
+    def _op_start(self, req: dict) -> dict:
+        return self.start(req["name"], req["blocks"], req["block_bytes"], req["host"], req["port"],
+                          req.get("seed", 0), req.get("settings"), req.get("advertise"))
+
+    def _op_job(self, req: dict) -> dict:
+        keys = [bytes.fromhex(k) for k in req["keys"]]
+        cmd = (api.StoreJob(req["job"], req["request"], keys, req["rows"]) if req["op"] == "store" else
+               api.LoadJob(req["job"], req["address"], req["request"], keys, req["rows"]))
+        if not self.client.send(cmd):
+            raise RuntimeError("command ring full")
+        return {}
+
+    def _op_wait(self, req: dict) -> dict:
+        want, deadline = set(req["jobs"]), time.monotonic() + req["timeout_s"]
+        exit_code = None
+        while not want <= set(self.done) and time.monotonic() < deadline:
+            self._collect()
+            if not self.client.alive():  # what the tier does then: its jobs fail once, it restarts the worker
                 self._collect()
-                if not self.client.alive():  # what the tier does then: its jobs fail once, it restarts the worker
-                    self._collect()
-                    exit_code = self.client.proc.poll()
-                    break
-                time.sleep(0.001)
-            return {"done": {str(j): self.done[j] for j in want if j in self.done}, "worker_exit": exit_code}
-        if op == "digest":
-            arr = self.region.array()
-            h = hashlib.sha256()
-            for r in req["rows"]:
-                h.update(arr[r].tobytes())
-            return {"sha256": h.hexdigest()}
-        if op == "raw_open":
-            return self.raw_open(req.get("serve", False))
-        if op == "raw_read":
-            return self.raw_read(bytes.fromhex(req["metadata"]), req["base"], req["rows"], req["dst"], req["reps"])
-        if op == "raw_close":
-            self.raw_close()
-            return {}
-        if op == "status":
-            return {"status": admin.query(self.client.ready.admin)}
-        if op == "decoy":
-            fd = os.open(req["path"], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, req["nbytes"])
-            finally:
-                os.close(fd)
-            self.decoys.append(req["path"])
-            return {}
-        if op == "stop":
-            return {"exit_code": self.close()}
-        raise ValueError(f"unknown op {op!r}")
+                exit_code = self.client.proc.poll()
+                break
+            time.sleep(0.001)
+        return {"done": {str(j): self.done[j] for j in want if j in self.done}, "worker_exit": exit_code}
+
+    def _op_digest(self, req: dict) -> dict:
+        arr = self.region.array()
+        h = hashlib.sha256()
+        for r in req["rows"]:
+            h.update(arr[r].tobytes())
+        return {"sha256": h.hexdigest()}
+
+    def _op_raw_read(self, req: dict) -> dict:
+        return self.raw_read(bytes.fromhex(req["metadata"]), req["base"], req["rows"], req["dst"], req["reps"])
+
+    def _op_raw_close(self, req: dict) -> dict:
+        self.raw_close()
+        return {}
+
+    def _op_decoy(self, req: dict) -> dict:
+        fd = os.open(req["path"], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, req["nbytes"])
+        finally:
+            os.close(fd)
+        self.decoys.append(req["path"])
+        return {}
+
+    _OPS: dict[str, Callable[["Agent", dict], dict]] = {
+        "start": _op_start,
+        "store": _op_job,
+        "load": _op_job,
+        "wait": _op_wait,
+        "digest": _op_digest,
+        "raw_open": lambda self, req: self.raw_open(req.get("serve", False)),
+        "raw_read": _op_raw_read,
+        "raw_close": _op_raw_close,
+        "status": lambda self, req: {"status": admin.query(self.client.ready.admin)},
+        "decoy": _op_decoy,
+        "stop": lambda self, req: {"exit_code": self.close()},
+    }
 
     def raw_open(self, serve: bool) -> dict:
         from p2pworker.data.nixl_transport import import_nixl
