@@ -53,12 +53,15 @@ from p2pworker.fingerprint import Fingerprint
 from p2pworker.instruments import Instruments
 from p2pworker.protocol.messages import PROTOCOL_VERSION, Bye, LaneUp, decode, encode
 from p2pworker.session import (
+    Abort,
     Action,
     AddDataPeer,
     CancelReads,
+    CloseCause,
     DialLane,
     ExpectLane,
     JobDone,
+    JobKind,
     LookupAnswer,
     ParkingLot,
     PostRead,
@@ -73,7 +76,7 @@ from p2pworker.session import (
     State,
 )
 from p2pworker.session.reporter import Event as ReportedEvent
-from p2pworker.session.session import bye_reason, longest_hold_s
+from p2pworker.session.session import longest_hold_s
 from p2pworker.shm import KVRegion, Ring, Role
 from p2pworker.worker.peers import PeerBook, addr_key
 from p2pworker.worker.resolver import Resolver
@@ -252,9 +255,6 @@ class Worker:
                 self._run(link, s, s.tick())
             for s in list(self._settling):
                 self._run(None, s, s.tick())
-            for s in [*self.sessions.values(), *self._settling]:
-                if s.stuck:
-                    self._abort(s.stuck)
             self._lane_deadlines(now)
             if self.ctx is not None:
                 self.ctx.lot.tick()
@@ -322,8 +322,8 @@ class Worker:
                 # link to reconnect, see _retire); anything else is a broken session, closed with a Bye
                 gone = isinstance(e, LaneClosed)
                 self._drop_lane(s)  # a Bye goes on the control link
-                self._run(link if not gone else None, s,
-                          s.close(f"peer lost: same-host lane: {e}" if gone else f"same-host lane: {e}", bye=not gone))
+                self._run(link if not gone else None, s, s.close(
+                    f"same-host lane: {e}", cause=CloseCause.PEER_LOST if gone else CloseCause.LOCAL, bye=not gone))
                 self._retire(s)
                 continue
             did = self._deliver_lane(link, s, frames) or did
@@ -579,7 +579,7 @@ class Worker:
     def _handle(self, cmd: api.Command) -> None:
         match cmd:
             case api.StoreJob():
-                if self._refuse(cmd.job_id, "store"):
+                if self._refuse(cmd.job_id, JobKind.STORE):
                     return
                 news = self.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
                 if news is not None:
@@ -588,12 +588,12 @@ class Worker:
                 # inspect shows it (tests/e2e/test_long_prompt.py reads it)
                 if len(cmd.keys) > self.counters["largest_load_keys"]:
                     self.counters["largest_load_keys"] = len(cmd.keys)
-                if self._refuse(cmd.job_id, "load"):
+                if self._refuse(cmd.job_id, JobKind.LOAD):
                     return
                 s, why = self._session_for(cmd.address, cmd)
                 if s is None:
                     if why is not PARKED:
-                        self._fail_now(cmd.job_id, "load", why)
+                        self._fail_now(cmd.job_id, JobKind.LOAD, why)
                     return
                 self._run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
             case api.LookupKeys():
@@ -609,9 +609,9 @@ class Worker:
             case api.AnswerLookup():
                 for link, s in list(self.sessions.items()):
                     if s.peer_id == cmd.peer_id:
-                        answered, actions = s.answer_lookup(cmd.lookup_id, cmd.present)
-                        if answered:
-                            self._run(link, s, actions)
+                        answer = s.answer_lookup(cmd.lookup_id, cmd.present)
+                        if answer.served:
+                            self._run(link, s, answer.actions)
                             break
             case api.RequestFinished():
                 if self.ctx is not None:
@@ -651,7 +651,7 @@ class Worker:
             case api.Shutdown():
                 self.stop(f"shutdown command{': ' + cmd.reason if cmd.reason else ''}")
 
-    def _refuse(self, job_id: int, kind: str) -> bool:
+    def _refuse(self, job_id: int, kind: JobKind) -> bool:
         if self.ctx is None:
             self._fail_now(job_id, kind, "worker has no region attached yet")
             return True
@@ -660,7 +660,7 @@ class Worker:
             return True
         return False
 
-    def _fail_now(self, job_id: int, kind: str, reason: str) -> None:
+    def _fail_now(self, job_id: int, kind: JobKind, reason: str) -> None:
         now = self.clock()
         self.reporter.open(job_id, kind, now)
         self.reporter.done(job_id, False, (), 0, now, reason)
@@ -806,7 +806,8 @@ class Worker:
                             self.ctl.send(link, encode(msg))
                     except LaneClosed as e:  # the peer's end is gone: as a lost link (see _poll_lanes)
                         link = None
-                        todo.extend(s.close(lane_end_reason(lane[1], e)))
+                        cause, detail = lane_end_reason(lane[1], e)
+                        todo.extend(s.close(detail, cause=cause))
                     except P2PError as e:  # LaneBroken too
                         log.warning("control link %s: %s; closing its session", link, e)
                         link_was, link = link, None  # nothing more goes out on it
@@ -853,6 +854,8 @@ class Worker:
                     tids = [self._tids[(s, r)] for r in rids if (s, r) in self._tids]
                     if tids:
                         self.data.cancel(tids)
+                case Abort(why=why):
+                    self._abort(why)
         if s.state is State.CLOSED:
             self._retire(s)
         elif s.lane_in and link is not None:
@@ -872,7 +875,7 @@ class Worker:
             out = lk is not None and lk.outbound
             key = self.peers.addr_of.get(link)  # the address as the adapter gave it (a name stays a name)
             if out and key is not None:
-                if self.peers.links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
+                if self.peers.links.get(key) == link and s.close_cause is not CloseCause.PEER_LOST:
                     # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                     # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                     self.peers.forget(link)
@@ -888,7 +891,7 @@ class Worker:
                 forgotten = True
             if forgotten:  # its counters live on in the worker's (status, metrics)
                 for name in ("late_reads", "late_offers", "stale_releases", "unsettled_reads", "protocol_errors"):
-                    self.counters[f"sessions_{name}"] += s.counters[name]
+                    self.counters[f"sessions_{name}"] += getattr(s.counters, name)
         elif s not in self._settling:
             self._settling.append(s)
 
@@ -898,7 +901,7 @@ class Worker:
             if s is None:
                 return
             actions = s.receive(ev.payload, lane=lane)
-            if s.state is State.CLOSED and s.counters["protocol_errors"]:
+            if s.state is State.CLOSED and s.counters.protocol_errors:
                 self.counters["protocol_errors"] += 1
                 log.warning("peer %s: %s; session closed", s.peer_id or ev.link, s.close_reason)
             self._run(ev.link, s, actions)
@@ -933,7 +936,7 @@ class Worker:
                 # the session ends with the peer's own reason, not "peer lost".
                 self._drain_lane(ev.link, s)
             if s is not None and self.sessions.get(ev.link) is s and s.state is not State.CLOSED:
-                self._run(None, s, s.close(f"peer lost: {ev.reason}"))
+                self._run(None, s, s.close(ev.reason, cause=CloseCause.PEER_LOST))
                 self._retire(s)
 
     def _unreachable(self, link: str, key: str, reason: str) -> None:
@@ -1072,7 +1075,7 @@ class Worker:
         parked = self.resolver.take_waiting()
         for cmd in parked:
             if isinstance(cmd, api.LoadJob):
-                self._fail_now(cmd.job_id, "load", reason)
+                self._fail_now(cmd.job_id, JobKind.LOAD, reason)
             elif isinstance(cmd, api.LookupKeys):
                 self.reporter.open_lookup(cmd.lookup_id)
                 self.reporter.lookup_done(cmd.lookup_id, None, reason)
@@ -1086,7 +1089,7 @@ class Worker:
             if cmd is None:
                 return
             if isinstance(cmd, (api.StoreJob, api.LoadJob)):
-                self._fail_now(cmd.job_id, "store" if isinstance(cmd, api.StoreJob) else "load", reason)
+                self._fail_now(cmd.job_id, JobKind.STORE if isinstance(cmd, api.StoreJob) else JobKind.LOAD, reason)
             elif isinstance(cmd, api.LookupKeys):
                 self.reporter.open_lookup(cmd.lookup_id)
                 self.reporter.lookup_done(cmd.lookup_id, None, reason)
@@ -1124,7 +1127,7 @@ class Worker:
             "sessions": [
                 {"link": link, "peer_id": s.peer_id, "state": s.state.value, "open_loads": s.open_loads,
                  "close_reason": s.close_reason, **self._data_path(link), "lane": self._lane_state(link, s),
-                 **s.counters}
+                 **s.counters.as_dict()}
                 for link, s in self.sessions.items()
             ],
             # what this process's copies run under (p2pworker.copytune: streaming stores for same-host copies)
@@ -1159,11 +1162,12 @@ def _too_large(ev: api.Event, e: Exception) -> api.Event:
     return api.WorkerError(f"{type(ev).__name__} dropped: {e}")
 
 
-def lane_end_reason(lane: Lane, e: LaneClosed) -> str:
+def lane_end_reason(lane: Lane, e: LaneClosed) -> tuple[CloseCause, str]:
     """Why a session ends whose send found its lane closed by the peer.  A peer that closed the session said why
     in a Bye before closing its end, and that Bye may still wait, unread, in our end (our send came first this loop
     turn; Linux reports EPIPE before what is queued): its reason, as if it had been read first.  Otherwise the peer
-    is lost.  What is read here is not delivered: the session is closing, and its loads fail either way."""
+    is lost.  What is read here is not delivered: the session is closing, and its loads fail either way.  Returns
+    the cause and detail Session.close takes."""
     if lane.reading:  # the peer's frames come on the lane (its LaneUp arrived)
         try:
             frames = lane.recv()
@@ -1175,8 +1179,8 @@ def lane_end_reason(lane: Lane, e: LaneClosed) -> str:
             except RemoteProtocolError:
                 break
             if isinstance(msg, Bye):
-                return bye_reason(msg)
-    return f"peer lost: same-host lane: {e}"
+                return CloseCause.PEER_BYE, msg.reason
+    return CloseCause.PEER_LOST, f"same-host lane: {e}"
 
 
 def _to_api(ev: ReportedEvent) -> api.Event:
