@@ -1,13 +1,25 @@
 """Sessions: the per-peer protocol state machines (client + server roles) and the producer's parking lot."""
 
 from p2pworker.session.parking import ParkingLot
-from p2pworker.session.reporter import JobDone, LookupAnswer, Reporter, ServeLookup, SessionClosed, SessionUp
+from p2pworker.session.reporter import (
+    JobDone,
+    JobKind,
+    LookupAnswer,
+    Reporter,
+    ServeLookup,
+    SessionClosed,
+    SessionUp,
+)
 from p2pworker.session.session import (
     ALLOWED,
     LOAD_MOVES,
+    MOVES,
+    Abort,
     Action,
     AddDataPeer,
+    Answered,
     CancelReads,
+    CloseCause,
     DialLane,
     ExpectLane,
     PostRead,
@@ -17,11 +29,12 @@ from p2pworker.session.session import (
     SessionConfig,
     SessionContext,
     State,
+    close_text,
 )
 
 __all__ = [
-    "ALLOWED", "LOAD_MOVES", "Action", "AddDataPeer", "CancelReads", "DialLane", "ExpectLane",
-    "PostRead", "RemoveDataPeer", "Send", "JobDone",
+    "ALLOWED", "LOAD_MOVES", "MOVES", "Abort", "Action", "AddDataPeer", "Answered", "CancelReads", "CloseCause",
+    "DialLane", "ExpectLane", "PostRead", "RemoveDataPeer", "Send", "JobDone", "JobKind",
     "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
-    "SessionConfig", "SessionContext", "SessionUp", "State",
+    "SessionConfig", "SessionContext", "SessionUp", "State", "close_text",
 ]

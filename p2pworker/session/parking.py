@@ -34,10 +34,12 @@ one's too); ``park_unfinished_s`` only bounds a parcel whose end never came
 still unfinished ``park_timeout_s`` after its creation with nothing parked (a
 Fetch for an id never stored here) is dropped then: it holds no row.
 
-Lease phases (a parcel has at most one lease at a time)::
+Lease phases (a parcel has at most one lease at a time; :data:`LEASE_MOVES` is the table,
+:func:`~p2pworker.session.moves.move` the only way a phase changes)::
 
     (none) --Fetch--> OFFERING --final Offer sent--> HELD
-    OFFERING | HELD --Release, or now >= hold_until--> (none)
+    OFFERING | HELD --its session closed with rows offered--> HELD (no owner: nothing more is offered)
+    OFFERING | HELD --Release, now >= hold_until, or nothing offered when its session closed--> ENDED (none)
 """
 
 from __future__ import annotations
@@ -50,12 +52,29 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from p2pworker.limits import MAX_JOB_KEYS
-from p2pworker.session.reporter import Reporter
+from p2pworker.session.moves import move
+from p2pworker.session.reporter import JobKind, Reporter
 
 
 class LeasePhase(enum.Enum):
     OFFERING = "offering"  # keys are offered as their stores arrive
-    HELD = "held"  # the final offer went out; the rows stay pinned until Release or hold_until
+    HELD = "held"  # the final offer went out (or its session closed); the rows stay pinned until Release or hold_until
+    ENDED = "ended"  # unbound from its parcel: its rows are the store jobs' to end
+
+
+class LeaseEvent(enum.Enum):
+    FINAL_OFFER = "final_offer"
+    OWNER_GONE = "owner_gone"  # the serving session closed with rows offered: they stay pinned (invariant 7)
+    END = "end"  # Release, the hold's end, or nothing offered (its session closed, or the worker shuts down)
+
+
+LEASE_MOVES: dict[tuple[LeasePhase, LeaseEvent], LeasePhase] = {
+    (LeasePhase.OFFERING, LeaseEvent.FINAL_OFFER): LeasePhase.HELD,
+    (LeasePhase.OFFERING, LeaseEvent.OWNER_GONE): LeasePhase.HELD,
+    (LeasePhase.HELD, LeaseEvent.OWNER_GONE): LeasePhase.HELD,
+    (LeasePhase.OFFERING, LeaseEvent.END): LeasePhase.ENDED,
+    (LeasePhase.HELD, LeaseEvent.END): LeasePhase.ENDED,
+}
 
 
 @dataclass(eq=False)
@@ -153,7 +172,7 @@ class ParkingLot:
               ) -> tuple[Parcel, list[bytes]] | None:
         """Park a store job.  Returns (parcel, new keys) when a session should offer them (its lease's owner)."""
         now = self.clock()
-        self.reporter.open(job_id, "store", now)
+        self.reporter.open(job_id, JobKind.STORE, now)
         if len(keys) != len(rows) or not keys:
             self.reporter.done(job_id, False, (), 0, now, f"bad store: {len(keys)} keys, {len(rows)} rows")
             return None
@@ -240,10 +259,7 @@ class ParkingLot:
         lease = p.lease
         if lease is None:
             return
-        p.lease = None
-        self.leases -= 1
-        if lease.offered:
-            self.offering -= 1
+        self._unbind(p, lease)
         p.served = True
         now = self.clock()
         offered = lease.offered
@@ -277,8 +293,7 @@ class ParkingLot:
         if lease is None:
             return
         if not lease.offered:  # nothing can be read: end it now
-            p.lease = None
-            self.leases -= 1
+            self._unbind(p, lease)
             # Invariant 7: nothing was offered under this lease, so no read of p's rows can run; its jobs may end now.
             if p.unneeded:  # its consumer's Done stands: the tombstone stays (later stores are not parked for nobody)
                 self.maybe_close(p)
@@ -286,7 +301,15 @@ class ParkingLot:
                 self.drop(p, reason)
             return
         lease.owner = None
-        lease.phase = LeasePhase.HELD
+        lease.phase = move(LEASE_MOVES, lease.phase, LeaseEvent.OWNER_GONE)
+
+    def _unbind(self, p: Parcel, lease: Lease) -> None:
+        """``lease`` ends: ``p`` is free of it, and it no longer counts among the leases (with offered rows)."""
+        lease.phase = move(LEASE_MOVES, lease.phase, LeaseEvent.END)
+        p.lease = None
+        self.leases -= 1
+        if lease.offered:
+            self.offering -= 1
 
     # ------------------------------------------------------------ job bookkeeping
     def _fail_keys(self, p: Parcel, keys: list[bytes], reason: str, now: float) -> None:
@@ -391,8 +414,7 @@ class ParkingLot:
                 held += 1
                 continue
             if p.lease is not None:
-                p.lease = None
-                self.leases -= 1
+                self._unbind(p, p.lease)
             self.drop(p, reason)
         return held
 

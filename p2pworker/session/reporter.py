@@ -8,14 +8,23 @@ and raises ``LocalProtocolError`` where it happens, never downstream.
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple, Union
 
 from p2pworker.errors import LocalProtocolError
 
 
+class JobKind(enum.StrEnum):
+    """A job's kind.  A str enum: the adapter's JobFinished, the metrics labels and the worker's counters name it
+    by its value."""
+
+    LOAD = "load"  # pull a peer's rows into ours (consumer)
+    STORE = "store"  # park our rows for a consumer's fetch (producer)
+
+
 class JobDone(NamedTuple):
     job_id: int
-    kind: str  # "load" or "store"
+    kind: JobKind
     success: bool  # every key of the job moved
     keys: tuple  # the keys that did move (partial success: a subset)
     nbytes: int
@@ -52,11 +61,11 @@ Event = Union[JobDone, LookupAnswer, ServeLookup, SessionUp, SessionClosed]
 
 class Reporter:
     def __init__(self) -> None:
-        self._open: dict[int, tuple[str, float]] = {}
+        self._open: dict[int, tuple[JobKind, float]] = {}
         self._lookups: set[int] = set()
         self.events: list[Event] = []
 
-    def open(self, job_id: int, kind: str, t_submit: float) -> None:
+    def open(self, job_id: int, kind: JobKind, t_submit: float) -> None:
         if job_id in self._open:
             raise LocalProtocolError(f"duplicate job id {job_id} ({kind}); it is still open")
         self._open[job_id] = (kind, t_submit)

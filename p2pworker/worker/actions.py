@@ -18,6 +18,7 @@ from p2pworker.data.handover import lane_ids
 from p2pworker.errors import P2PError, PeerUnusable, TransferFailed
 from p2pworker.protocol.messages import encode
 from p2pworker.session import (
+    Abort,
     Action,
     AddDataPeer,
     CancelReads,
@@ -83,7 +84,7 @@ class ActionRunner:
         self._held_sends: list | None = None  # see poll_data
         self._perform = {Send: self._send, AddDataPeer: self._add_data_peer, RemoveDataPeer: self._remove_data_peer,
                          DialLane: self._dial_lane, ExpectLane: self._expect_lane, PostRead: self._post_read,
-                         CancelReads: self._cancel_reads}
+                         CancelReads: self._cancel_reads, Abort: self._abort}
 
     def run(self, link: str | None, s: Session, actions: list[Action]) -> None:
         """Perform what ``s`` asked for, in order (``link`` None: a retired session, whose link is gone)."""
@@ -112,7 +113,8 @@ class ActionRunner:
                 self.w.ctl.send(run.link, encode(a.msg))
         except LaneClosed as e:  # the peer's end is gone: as a lost link (see LaneHost.poll)
             run.link = None
-            run.todo.extend(s.close(lane_end_reason(lane, e)))
+            cause, detail = lane_end_reason(lane, e)
+            run.todo.extend(s.close(detail, cause=cause))
         except P2PError as e:  # LaneBroken too
             log.warning("control link %s: %s; closing its session", run.link, e)
             link_was, run.link = run.link, None  # nothing more goes out on it
@@ -159,6 +161,9 @@ class ActionRunner:
         tids = self.reads.tids(run.s, a.read_ids)
         if tids:
             self.w.data.cancel(tids)
+
+    def _abort(self, run: _Run, a: Abort) -> None:
+        self.w.abort(a.why)  # reads that will not settle: only this process's death ends them
 
     # ------------------------------------------------------------ settled reads
     def poll_data(self) -> bool:

@@ -13,6 +13,7 @@ import msgspec
 
 from p2pworker import api
 from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, RingApiMismatch
+from p2pworker.session import JobKind
 from p2pworker.worker.peers import addr_key
 from p2pworker.worker.sessions import PARKED
 
@@ -86,7 +87,7 @@ class Commands:
 
     # ------------------------------------------------------------ jobs and lookups
     def _store(self, cmd: api.StoreJob) -> None:
-        if self._refuse(cmd.job_id, "store"):
+        if self._refuse(cmd.job_id, JobKind.STORE):
             return
         news = self.w.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
         if news is not None:
@@ -97,12 +98,12 @@ class Commands:
         # inspect shows it (tests/e2e/test_long_prompt.py reads it)
         if len(cmd.keys) > counters["largest_load_keys"]:
             counters["largest_load_keys"] = len(cmd.keys)
-        if self._refuse(cmd.job_id, "load"):
+        if self._refuse(cmd.job_id, JobKind.LOAD):
             return
         s, why = self.w.host.session_for(cmd.address, cmd)
         if s is None:
             if why is not PARKED:
-                self.fail_now(cmd.job_id, "load", why)
+                self.fail_now(cmd.job_id, JobKind.LOAD, why)
             return
         self.w.host.run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
 
@@ -118,9 +119,9 @@ class Commands:
     def _answer_lookup(self, cmd: api.AnswerLookup) -> None:
         for link, s in list(self.w.host.sessions.items()):
             if s.peer_id == cmd.peer_id:
-                answered, actions = s.answer_lookup(cmd.lookup_id, cmd.present)
-                if answered:
-                    self.w.host.run(link, s, actions)
+                answer = s.answer_lookup(cmd.lookup_id, cmd.present)
+                if answer.served:
+                    self.w.host.run(link, s, answer.actions)
                     break
 
     def _request_finished(self, cmd: api.RequestFinished) -> None:
@@ -170,7 +171,7 @@ class Commands:
         self.w.stop(f"shutdown command{': ' + cmd.reason if cmd.reason else ''}")
 
     # ------------------------------------------------------------ failing at once
-    def _refuse(self, job_id: int, kind: str) -> bool:
+    def _refuse(self, job_id: int, kind: JobKind) -> bool:
         if self.w.ctx is None:
             self.fail_now(job_id, kind, "worker has no region attached yet")
             return True
@@ -179,7 +180,7 @@ class Commands:
             return True
         return False
 
-    def fail_now(self, job_id: int, kind: str, reason: str) -> None:
+    def fail_now(self, job_id: int, kind: JobKind, reason: str) -> None:
         now = self.w.clock()
         self.w.reporter.open(job_id, kind, now)
         self.w.reporter.done(job_id, False, (), 0, now, reason)
@@ -205,6 +206,6 @@ class Commands:
 
     def _fail_unrun(self, cmd: api.Command, reason: str) -> None:
         if isinstance(cmd, (api.StoreJob, api.LoadJob)):
-            self.fail_now(cmd.job_id, "store" if isinstance(cmd, api.StoreJob) else "load", reason)
+            self.fail_now(cmd.job_id, JobKind.STORE if isinstance(cmd, api.StoreJob) else JobKind.LOAD, reason)
         elif isinstance(cmd, api.LookupKeys):
             self.miss_now(cmd.lookup_id, reason)

@@ -1,7 +1,7 @@
 """The sessions' side of same-host lanes: what the lane switch (lanes.py) yields, turned into session moves.
 
 A lane carries one session's messages once both ends switched; its frames go to that session exactly as frames
-from the control link would.  A lane the peer closed ends the session as a lost link ("peer lost" keeps an
+from the control link would.  A lane the peer closed ends the session as a lost link (CloseCause.PEER_LOST keeps an
 outbound link to reconnect, see SessionHost.retire); one broken under us is a broken session, closed with a Bye.
 """
 
@@ -15,7 +15,7 @@ from p2pworker.control.lane import Lane, LaneBroken
 from p2pworker.errors import P2PError
 from p2pworker.data.handover import LANE_TAKEN
 from p2pworker.protocol.messages import LaneUp, encode
-from p2pworker.session import Session, State
+from p2pworker.session import CloseCause, Session, State
 from p2pworker.worker.lanes import LaneEnded, LaneStage, LaneSwitch
 
 if TYPE_CHECKING:
@@ -51,7 +51,8 @@ class LaneHost:
         s, e, gone = news.session, news.error, news.peer_gone
         self.drop(s)  # a Bye goes on the control link
         self.w.host.run(news.link if not gone else None, s,
-                        s.close(f"peer lost: same-host lane: {e}" if gone else f"same-host lane: {e}", bye=not gone))
+                        s.close(f"same-host lane: {e}", cause=CloseCause.PEER_LOST if gone else CloseCause.LOCAL,
+                                bye=not gone))
         self.w.host.retire(s)
 
     def deliver(self, link: str, s: Session, frames) -> bool:

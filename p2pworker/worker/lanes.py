@@ -23,8 +23,7 @@ from p2pworker.data.handover import TIMEOUT_S as LANE_TIMEOUT_S
 from p2pworker.data.handover import LaneDial, LaneRefused
 from p2pworker.protocol.messages import Bye, decode
 from p2pworker.errors import RemoteProtocolError
-from p2pworker.session import Session
-from p2pworker.session.session import bye_reason
+from p2pworker.session import CloseCause, Session
 
 log = logging.getLogger("p2pworker.worker")
 
@@ -227,11 +226,12 @@ class LaneSwitch:
         self.links.clear()
 
 
-def lane_end_reason(lane: Lane, e: LaneClosed) -> str:
+def lane_end_reason(lane: Lane, e: LaneClosed) -> tuple[CloseCause, str]:
     """Why a session ends whose send found its lane closed by the peer.  A peer that closed the session said why
     in a Bye before closing its end, and that Bye may still wait, unread, in our end (our send came first this loop
     turn; Linux reports EPIPE before what is queued): its reason, as if it had been read first.  Otherwise the peer
-    is lost.  What is read here is not delivered: the session is closing, and its loads fail either way."""
+    is lost.  What is read here is not delivered: the session is closing, and its loads fail either way.  Returns
+    the cause and detail Session.close takes."""
     if lane.reading:  # the peer's frames come on the lane (its LaneUp arrived)
         try:
             frames = lane.recv()
@@ -243,5 +243,5 @@ def lane_end_reason(lane: Lane, e: LaneClosed) -> str:
             except RemoteProtocolError:
                 break
             if isinstance(msg, Bye):
-                return bye_reason(msg)
-    return f"peer lost: same-host lane: {e}"
+                return CloseCause.PEER_BYE, msg.reason
+    return CloseCause.PEER_LOST, f"same-host lane: {e}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from p2pworker import api
 from p2pworker.control import LinkDown, LinkState, LinkUp, Received
 from p2pworker.errors import P2PError
-from p2pworker.session import Session, State
+from p2pworker.session import CloseCause, Session, State
 from p2pworker.worker.peers import PeerBook, addr_key
 from p2pworker.worker.resolver import Resolver
 
@@ -152,10 +152,7 @@ class SessionHost:
         for link, s in list(self.sessions.items()):
             self.run(link, s, s.tick())
         for s in list(self.settling):
-            self.run(None, s, s.tick())
-        for s in [*self.sessions.values(), *self.settling]:
-            if s.stuck:
-                self.w.abort(s.stuck)
+            self.run(None, s, s.tick())  # a session whose reads will not settle returns an Abort (actions.py)
 
     # ------------------------------------------------------------ retiring
     def retire(self, s: Session) -> None:
@@ -172,7 +169,7 @@ class SessionHost:
                 forgotten = True
             if forgotten:  # its counters live on in the worker's (status, metrics)
                 for name in FOLDED_COUNTERS:
-                    self.w.counters[f"sessions_{name}"] += s.counters[name]
+                    self.w.counters[f"sessions_{name}"] += getattr(s.counters, name)
         elif s not in self.settling:
             self.settling.append(s)
 
@@ -185,7 +182,7 @@ class SessionHost:
         out = lk is not None and lk.outbound
         key = self.peers.addr_of.get(link)  # the address as the adapter gave it (a name stays a name)
         if out and key is not None:
-            if self.peers.links.get(key) == link and s.close_reason and not s.close_reason.startswith("peer lost"):
+            if self.peers.links.get(key) == link and s.close_cause is not CloseCause.PEER_LOST:
                 # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                 # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                 self.peers.forget(link)
@@ -210,7 +207,7 @@ class SessionHost:
         if s is None:
             return
         actions = s.receive(ev.payload, lane=lane)
-        if s.state is State.CLOSED and s.counters["protocol_errors"]:
+        if s.state is State.CLOSED and s.counters.protocol_errors:
             self.w.counters["protocol_errors"] += 1
             log.warning("peer %s: %s; session closed", s.peer_id or ev.link, s.close_reason)
         self.run(ev.link, s, actions)
@@ -247,7 +244,7 @@ class SessionHost:
             # the session ends with the peer's own reason, not "peer lost".
             self.w.lanes.drain(ev.link, s)
         if s is not None and self.sessions.get(ev.link) is s and s.state is not State.CLOSED:
-            self.run(None, s, s.close(f"peer lost: {ev.reason}"))
+            self.run(None, s, s.close(ev.reason, cause=CloseCause.PEER_LOST))
             self.retire(s)
 
     def unreachable(self, link: str, key: str, reason: str) -> None:

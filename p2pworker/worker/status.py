@@ -51,7 +51,7 @@ def state_name(w: Worker) -> str:
 def session_row(w: Worker, link: str, s: Session) -> dict:
     return {"link": link, "peer_id": s.peer_id, "state": s.state.value, "open_loads": s.open_loads,
             "close_reason": s.close_reason, **data_path(w, link), "lane": w.lanes.switch.state_of(link, s),
-            **s.counters}
+            **s.counters.as_dict()}
 
 
 def data_path(w: Worker, link: str) -> dict:

@@ -19,6 +19,7 @@ from p2pworker.errors import TransferFailed
 from p2pworker.fingerprint import Fingerprint
 from p2pworker.protocol import messages as m
 from p2pworker.session import (
+    Abort,
     AddDataPeer,
     CancelReads,
     ParkingLot,
@@ -122,6 +123,7 @@ class Side:
         self.peer: Side | None = None
         self.landings: list[tuple[int, int, bytes]] = []  # (tid, our row, content) every byte that landed here
         self.land_hook = None  # called as each row lands, before anything else can happen (property tests)
+        self.aborts: list[tuple[Session, str]] = []  # Abort actions: the worker would have exited (reads end with it)
         self._tids: dict[tuple[int, int], int] = {}
 
     def new_session(self, expected_peer_id=None, link: str = "link") -> Session:
@@ -171,8 +173,12 @@ class Side:
                 self.data.reads[tid].cancelled = True
         return todo
 
+    def _abort(self, s: Session, a: Abort, todo: list) -> list:
+        self.aborts.append((s, a.why))  # recorded, not performed: tests go on to see what settles later
+        return todo
+
     _DO = {Send: _send, AddDataPeer: _add_data_peer, RemoveDataPeer: _remove_data_peer, PostRead: _post_read,
-           CancelReads: _cancel_reads}
+           CancelReads: _cancel_reads, Abort: _abort}
 
     def receive(self, frame: bytes) -> None:
         self.run(self.session, self.session.receive(frame))
@@ -217,8 +223,7 @@ class Side:
         self.run(self.session, self.session.close(reason))
 
     def answer(self, lookup_id: int, present) -> None:
-        ok, actions = self.session.answer_lookup(lookup_id, present)
-        self.run(self.session, actions)
+        self.run(self.session, self.session.answer_lookup(lookup_id, present).actions)
 
     # -------------------------------------------------------- the data plane's part
     def copy(self, tid: int, peer: "Side", rows: int | None = None) -> None:

@@ -387,6 +387,7 @@ def test_a_send_that_finds_the_lane_closed_still_ends_with_the_peers_bye_reason(
     fails (EPIPE).  The session ends with the peer's own reason (read from what is queued), not "peer lost"; with
     nothing queued, or before the peer's LaneUp (its frames are not on the lane then), the peer is lost."""
     from p2pworker.protocol import messages as m
+    from p2pworker.session import close_text
     from p2pworker.worker import lane_end_reason
 
     for queued, reading, expect in (
@@ -403,6 +404,6 @@ def test_a_send_that_finds_the_lane_closed_still_ends_with_the_peers_bye_reason(
             b.close()
             with pytest.raises(LaneClosed) as err:
                 a.send(m.encode(m.Release("r", 1, [b"k"])))
-            assert lane_end_reason(a, err.value).startswith(expect), (queued, reading)
+            assert close_text(*lane_end_reason(a, err.value)).startswith(expect), (queued, reading)
         finally:
             a.close()

@@ -120,7 +120,7 @@ def test_every_illegal_message_per_state_closes_only_that_session(state, kind):
     assert target.state is state
     side.run(target, target.receive(m.encode(sample_messages()[kind])))
     assert target.state is State.CLOSED and "not allowed in state" in target.close_reason
-    assert target.counters["protocol_errors"] == 1
+    assert target.counters.protocol_errors == 1
     evs = side.events()
     assert any(isinstance(e, SessionClosed) for e in evs)
     if state is State.ACTIVE:
@@ -359,7 +359,7 @@ def test_a_read_seen_done_after_the_deadline_never_counts():
     p.a.settle(r.tid, ok=True)
     a = jobs(p.a.events())[100]
     assert not a.success and a.keys == () and "after the load's deadline" in a.reason
-    assert p.sa.counters["late_reads"] == 1
+    assert p.sa.counters.late_reads == 1
 
 
 def test_producer_holds_offered_rows_past_the_consumers_deadline_whatever_the_clocks_say():
@@ -505,19 +505,24 @@ def test_peer_death_fails_every_consumer_job_once_after_its_reads_settle():
 
 def test_reads_that_never_settle_are_never_reported_the_worker_is_asked_to_exit():
     """NIXL cannot abort a posted READ: a load whose cancelled reads do not settle is never reported (the bytes
-    could land after vLLM reused the rows); the session flags itself stuck and the worker exits, which ends
-    every read it initiated; the adapter then fails the jobs of the dead worker."""
+    could land after vLLM reused the rows); the session's tick returns an Abort (once) and the worker exits, which
+    ends every read it initiated; the adapter then fails the jobs of the dead worker."""
     p = Pair(a={"config": SessionConfig(load_timeout_s=2.0, settle_timeout_s=3.0)}).handshake()
     p.b.store(1, "req", KEYS[:1], [10])
     p.a.load(100, "req", KEYS[:1], [0])
     p.deliver()
     p.advance(2.0)
     p.a.tick()
-    assert not jobs(p.a.events()) and not p.sa.stuck
+    assert not jobs(p.a.events()) and not p.a.aborts
     p.advance(3.0)
     p.a.tick()
     assert not jobs(p.a.events()), "reported while a read could still land"
-    assert "did not settle within 3 s" in p.sa.stuck and p.sa.counters["unsettled_reads"] == 1
+    [(s, why)] = p.a.aborts
+    assert s is p.sa
+    assert "did not settle within 3 s" in why and p.sa.counters.unsettled_reads == 1
+    assert p.sa._loads[1].phase is LoadPhase.STUCK
+    p.advance(10.0)
+    assert p.sa.tick() == []  # one Abort is enough: the worker exits on it
     [r] = p.a.data.log
     p.a.settle(r.tid, ok=False, reason="cancelled")  # (were it to settle after all, it is reported then)
     assert not jobs(p.a.events())[100].success
@@ -581,9 +586,9 @@ def test_late_offer_after_the_report_is_ignored_and_an_unknown_release_is_counte
     p.a.tick()
     assert not jobs(p.a.events())[100].success
     p.a.receive(m.encode(m.Offer("req", 1, [b"a"], [5], True)))
-    assert p.sa.state is State.ACTIVE and p.sa.counters["late_offers"] == 1 and not p.a.data.log
+    assert p.sa.state is State.ACTIVE and p.sa.counters.late_offers == 1 and not p.a.data.log
     p.b.receive(m.encode(m.Release("nope", 7, [])))
-    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_releases"] == 1
+    assert p.sb.state is State.ACTIVE and p.sb.counters.stale_releases == 1
 
 
 def test_release_naming_keys_never_offered_is_a_protocol_error():
@@ -735,7 +740,7 @@ def test_fetch_parts_are_validated_and_stale_ones_ignored(monkeypatch):
     p.b.store(1, "req", [b"a", b"b", b"c"], [1, 2, 3])
     # a part of a round whose first part never came (refused, or its lease ended): ignored, not an error
     p.b.receive(m.encode(m.Fetch("req", 7, [b"c"], 30_000, part=1)))
-    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_fetch_parts"] == 1
+    assert p.sb.state is State.ACTIVE and p.sb.counters.stale_fetch_parts == 1
     p.b.receive(m.encode(m.Fetch("req", 8, [b"a", b"b"], 30_000, part=0, more=True)))
     p.b.receive(m.encode(m.Fetch("req", 8, [b"c"], 30_000, part=2)))  # part 1 skipped
     assert p.sb.state is State.CLOSED and "part 2 out of order" in p.sb.close_reason
@@ -750,7 +755,7 @@ def test_fetch_parts_are_validated_and_stale_ones_ignored(monkeypatch):
     p.b.tick()
     assert [o.final for o in sent(p.b, m.Offer)] == [True]
     p.b.receive(m.encode(m.Fetch("req", 10, [b"c"], 30_000, part=1)))
-    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_fetch_parts"] == 1
+    assert p.sb.state is State.ACTIVE and p.sb.counters.stale_fetch_parts == 1
 
 
 def test_a_release_in_parts_unpins_only_at_its_last_part(monkeypatch):
@@ -860,7 +865,7 @@ def test_release_parts_naming_unoffered_keys_or_outliving_the_lease(monkeypatch)
     p.b.tick()
     assert p.b.lot.parcels.get("req") is None or p.b.lot.parcels["req"].lease is None
     p.b.receive(m.encode(m.Release("req", rnd, [b"k2", b"k3"])))
-    assert p.sb.state is State.ACTIVE and p.sb.counters["stale_releases"] == 1
+    assert p.sb.state is State.ACTIVE and p.sb.counters.stale_releases == 1
     stores = jobs(p.b.events())
     assert list(stores) == [1] and not stores[1].success
 
@@ -928,7 +933,7 @@ def test_lane_up_switches_the_peer_stream_once_and_for_good():
     r.a.receive(m.encode(m.LaneUp()))
     r.a.receive(m.encode(m.Bye("its lane broke")))
     assert r.sa.state is State.CLOSED and "its lane broke" in r.sa.close_reason
-    assert r.sa.counters["protocol_errors"] == 0
+    assert r.sa.counters.protocol_errors == 0
 
 
 # ---------------------------------------------------------------- vLLM resets its cache (the tier's drain_jobs)

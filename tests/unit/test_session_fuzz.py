@@ -89,9 +89,9 @@ def test_100k_random_and_mutated_frames():
     for i in range(N_FRAMES):
         frame = _mutate(rng, seeds)
         target, side = (p.sa, p.a) if i % 2 else (p.sb, p.b)
-        before = target.counters["protocol_errors"]
+        before = target.counters.protocol_errors
         side.run(target, target.receive(frame))
-        if target.counters["protocol_errors"] > before:
+        if target.counters.protocol_errors > before:
             errors += 1
             assert target.state is State.CLOSED and target.close_reason.startswith("protocol error: ")
         if target.state is State.CLOSED:

@@ -12,7 +12,8 @@ What is promised (invariants 1 and 7, docs/invariants.md), checked after every s
 The adversary (a fake data plane and the test's scheduler) may delay, reorder, split and fail copies and
 completions arbitrarily (a cancelled read may still copy and report DONE, at any time), advance time, tick,
 lose the link and reconnect, with the two sides' clocks far apart.  A load whose reads never settle is never
-reported (the session asks its worker to exit instead: ``stuck``); the end of the run settles every read.
+reported (the session asks its worker to exit instead: an ``Abort`` action); the end of the run settles every
+read.
 
 On the same-host path (``same_host``: p2pworker/data/samehost.py) the consumer's worker copies the rows itself,
 synchronously inside the poll that posts the piece, and reports right after: a copy and its report are one step,
@@ -251,7 +252,7 @@ class Model:
                     side.answer(lookup_id, [False] * n)
             self.check()
         assert p.a.reporter.open_jobs == 0 and p.b.reporter.open_jobs == 0
-        assert not p.sa.stuck or p.sa.counters["unsettled_reads"], "stuck without a reason"
+        assert all(s.counters.unsettled_reads for s, _ in p.a.aborts), "an abort without a reason"
         assert set(self.reported) == self.opened, f"never reported: {self.opened - set(self.reported)}"
         assert not p.a.reporter._lookups
 
@@ -263,7 +264,7 @@ def test_random_interleavings_keep_every_invariant(ops, seed):
     for o in ops:
         model.step(o)
     model.finish()
-    assert model.p.sa.counters["protocol_errors"] == 0 and model.p.sb.counters["protocol_errors"] == 0
+    assert model.p.sa.counters.protocol_errors == 0 and model.p.sb.counters.protocol_errors == 0
 
 
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -273,7 +274,7 @@ def test_random_interleavings_on_the_same_host_path_keep_every_invariant(ops, se
     for o in ops:
         model.step(o)
     model.finish()
-    assert model.p.sa.counters["protocol_errors"] == 0 and model.p.sb.counters["protocol_errors"] == 0
+    assert model.p.sa.counters.protocol_errors == 0 and model.p.sb.counters.protocol_errors == 0
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -287,7 +288,7 @@ def test_random_interleavings_with_every_key_list_split_over_frames(ops, seed):
         for o in ops:
             model.step(o)
         model.finish()
-    assert model.p.sa.counters["protocol_errors"] == 0 and model.p.sb.counters["protocol_errors"] == 0
+    assert model.p.sa.counters.protocol_errors == 0 and model.p.sb.counters.protocol_errors == 0
 
 
 # The adversary's sharpest schedules, spelled out so that no search luck is needed to catch a regression in them.
