@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from p2pworker.control import ControlConfig, LinkUp, ZmqControl
-from p2pworker.control.zmq_control import K_DATA, K_HELLO, _Hello
+from p2pworker.control.zmq_wire import K_DATA, K_HELLO, _Hello
 from p2pworker.errors import Backpressure, PeerLost
 from p2pworker.protocol import messages as m
 from tests.helpers.fault import SECRET, Jobs, figure, pd, rss_kib

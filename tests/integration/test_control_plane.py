@@ -13,7 +13,8 @@ import zmq
 
 from p2pworker.control.base import DownCause
 from p2pworker.control import ControlConfig, LinkDown, LinkUp, Received, ZmqControl, default_port
-from p2pworker.control.zmq_control import (
+from p2pworker.control.base import LinkState
+from p2pworker.control.zmq_wire import (
     DEALER_MOVES,
     K_AUTH,
     K_BYE,
@@ -26,7 +27,6 @@ from p2pworker.control.zmq_control import (
     K_WELCOME,
     ROUTER_MOVES,
     Act,
-    LinkState,
     _Hello,
     dealer_move,
     router_move,
@@ -189,7 +189,7 @@ def test_hostile_handshakes_are_refused_and_the_acceptor_lives_on(pair):
 def test_a_peer_gone_before_the_welcome_never_comes_up(pair):
     """A peer that proves the secret and vanishes before the acceptor answers: no LinkUp without a LinkDown
     (found by tests/fault: every such race leaked a session in the worker)."""
-    from p2pworker.control.zmq_control import K_CHALLENGE, _Auth, _Challenge
+    from p2pworker.control.zmq_wire import K_CHALLENGE, _Auth, _Challenge
 
     _, b = pair
     ctx = zmq.Context()
@@ -374,7 +374,7 @@ def test_every_router_row_before_up_answers_as_the_table_says(pair):
 
 def test_a_wildcard_bind_advertises_a_dialable_address(monkeypatch):
     """Peers cannot dial 0.0.0.0: the address a worker reports is advertise_host, else $POD_IP, else its name."""
-    from p2pworker.control.zmq_control import advertised
+    from p2pworker.control.zmq_config import advertised
 
     assert advertised("tcp://0.0.0.0:5710", "10.1.2.3") == "tcp://10.1.2.3:5710"
     assert advertised("tcp://127.0.0.1:5710", None) == "tcp://127.0.0.1:5710"
@@ -500,7 +500,7 @@ def test_the_monitor_table_reads_every_dial_outcome_and_subscribes_to_exactly_it
     """MONITOR_MOVES as data: a refused connect is only known before TCP came up; once ZMTP is up a hang-up is a
     dropped handshake; TCP without ZMTP that ends is a failed one; the subscription is the table's events, no more
     (CONNECT_DELAYED would only wake the loop)."""
-    from p2pworker.control.zmq_control import ANY, MONITOR_EVENTS, MONITOR_MOVES, Wire
+    from p2pworker.control.zmq_wire import ANY, MONITOR_EVENTS, MONITOR_MOVES, Wire
 
     assert MONITOR_MOVES[(Wire.DIALING, zmq.Event.CONNECT_RETRIED)] is DownCause.REFUSED
     assert (Wire.TCP, zmq.Event.CONNECT_RETRIED) not in MONITOR_MOVES  # a retry after a drop: already down
