@@ -161,7 +161,7 @@ class Ring(ProducerSide, ConsumerSide):
         self._dec = msgspec.msgpack.Decoder(msg_type) if msg_type is not None else msgspec.msgpack.Decoder()
         try:
             self._ends.claim()
-        except BaseException:
+        except RingError:  # a live process holds the role
             self._release_all()
             raise
 
