@@ -266,7 +266,7 @@ class ZmqTransport(PieceTransport):
             except zmq.Again:
                 break
             self._serve(frames)
-        for remote in list(self._remotes.values()):
+        for remote in list(self.peer_book.remotes.values()):
             if remote.state is None:
                 continue
             sock = remote.state.sock

@@ -70,101 +70,40 @@ each other.  The bell wait is sliced: every slice checks the peer's liveness
 ``PeerDead`` within one slice, and no wait is ever unbounded by accident.
 A side that must never block (the adapter inside vLLM's scheduler) uses the
 ``try_*`` calls only.
+
+The code, by concern: :mod:`~p2pworker.shm.ring_layout` (the words above, the names in /dev/shm),
+:mod:`~p2pworker.shm.ring_sides` (the producer and consumer halves, mixins of :class:`Ring`: the hot path),
+:mod:`~p2pworker.shm.ring_bells` (the bells and sleep flags), :mod:`~p2pworker.shm.ring_peer` (role claims, peer
+liveness); :class:`Ring` here creates, attaches, waits, watches and closes.
 """
 
 from __future__ import annotations
 
-import enum
+import mmap
 import os
-import platform
-import re
-import select
-import stat
-import threading
 import time
 from typing import Any, Callable
 
-import mmap
 import msgspec
 import posix_ipc
 
-from p2pworker.errors import MessageTooLarge, PeerDead, RingError
-from p2pworker.limits import RING_MAX_MESSAGE_BYTES
-from p2pworker.shm.liveness import process_alive, self_identity
+from p2pworker.errors import RingError
+from p2pworker.shm.ring_bells import Bells
+from p2pworker.shm.ring_layout import (DEFAULT_MAX_MESSAGE_BYTES, HEADER_BYTES, LEN_BYTES, LEN_MASK, MAGIC, MORE,
+                                       NAME_RE, SHM_DIR, STATE_ATTACHED, STATE_CLOSED, STATE_UNATTACHED, VERSION,
+                                       W_HEAD, W_MAGIC, W_NSLOTS, W_SLOT_BYTES, W_TAIL, W_VERSION, Role, bell_paths,
+                                       ring_files, unlink_all)
+from p2pworker.shm.ring_peer import Ends, PeerStatus
+from p2pworker.shm.ring_sides import ConsumerSide, ProducerSide
 
-MAGIC = int.from_bytes(b"p2pwring", "little")
-VERSION = 2
-HEADER_BYTES = 512
-LEN_BYTES = 8
-MORE = 1 << 63  # in a slot's length word: the message continues in the next slot
-LEN_MASK = (1 << 48) - 1
-DEFAULT_MAX_MESSAGE_BYTES = RING_MAX_MESSAGE_BYTES
-
-W_MAGIC, W_VERSION, W_NSLOTS, W_SLOT_BYTES = 0, 1, 2, 3
-W_HEAD, W_TAIL = 8, 16
-W_PROD_PID, W_PROD_START, W_PROD_STATE = 24, 25, 26
-W_CONS_PID, W_CONS_START, W_CONS_STATE = 32, 33, 34
-W_CONS_SLEEPING, W_PROD_SLEEPING = 40, 48
-
-STATE_UNATTACHED, STATE_ATTACHED, STATE_CLOSED = 0, 1, 2
-
-SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-
-_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-_fence_lock = threading.Lock()
+__all__ = [  # the names this module has always offered; each now lives in the room named above
+    "DEFAULT_MAX_MESSAGE_BYTES", "HEADER_BYTES", "LEN_BYTES", "LEN_MASK", "MAGIC", "MORE", "SHM_DIR",
+    "STATE_ATTACHED", "STATE_CLOSED", "STATE_UNATTACHED", "VERSION", "PeerStatus", "Ring", "Role", "bell_paths",
+    "ring_files",
+]
 
 
-def _fence() -> None:
-    """A full memory barrier, from Python.
-
-    An uncontended lock round trip is a pair of atomic read-modify-writes in
-    libc (``lock cmpxchg`` on x86), which orders every earlier store before
-    every later load.  Costs ~0.2 us here.
-    """
-    _fence_lock.acquire()
-    _fence_lock.release()
-
-
-class Role(enum.Enum):
-    PRODUCER = "producer"
-    CONSUMER = "consumer"
-
-
-def bell_paths(name: str) -> tuple[str, str]:
-    return f"{SHM_DIR}/{name}.data.bell", f"{SHM_DIR}/{name}.space.bell"
-
-
-def ring_files(name: str) -> list[str]:
-    """Every filesystem entry a ring called ``name`` owns (for sweeping)."""
-    return [f"{SHM_DIR}/{name}", *bell_paths(name)]
-
-
-def _open_bell(path: str, create: bool) -> int:
-    if create:
-        os.mkfifo(path, 0o600)
-    # O_RDWR on a FIFO never blocks in open() and keeps the pipe alive on Linux.
-    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise RingError(f"{path} is not a FIFO")
-    return fd
-
-
-
-class PeerStatus(enum.Enum):
-    """The other side of a ring, as its header words say."""
-
-    PENDING = "pending"  # not attached yet
-    ALIVE = "alive"
-    CLOSED = "closed"  # it closed the ring (an orderly exit)
-    DEAD = "dead"  # attached, then its process exited or was killed (pid + start time no longer match)
-
-    @property
-    def gone(self) -> bool:
-        return self in (PeerStatus.CLOSED, PeerStatus.DEAD)
-
-class Ring:
+class Ring(ProducerSide, ConsumerSide):
     """One endpoint (producer or consumer) of a shared-memory SPSC ring.
 
     Use :meth:`create` in the process that owns the ring (it unlinks the names
@@ -214,28 +153,17 @@ class Ring:
         self.slot_bytes = int(w[W_SLOT_BYTES])
         self.capacity = self.slot_bytes - LEN_BYTES
         self._mask = self.nslots - 1
-        data_bell, space_bell = bell_paths(name)
-        self._data_fd = _open_bell(data_bell, create=creator)
-        try:
-            self._space_fd = _open_bell(space_bell, create=creator)
-        except BaseException:
-            os.close(self._data_fd)
-            raise
-        if role is Role.PRODUCER:
-            self._me = (W_PROD_PID, W_PROD_START, W_PROD_STATE)
-            self._peer = (W_CONS_PID, W_CONS_START, W_CONS_STATE)
-            self._my_sleep, self._peer_sleep = W_PROD_SLEEPING, W_CONS_SLEEPING
-            self._my_bell, self._peer_bell = self._space_fd, self._data_fd
-        else:
-            self._me = (W_CONS_PID, W_CONS_START, W_CONS_STATE)
-            self._peer = (W_PROD_PID, W_PROD_START, W_PROD_STATE)
-            self._my_sleep, self._peer_sleep = W_CONS_SLEEPING, W_PROD_SLEEPING
-            self._my_bell, self._peer_bell = self._data_fd, self._space_fd
-        self._poller = select.poll()
-        self._poller.register(self._my_bell, select.POLLIN)
+        self._bells = Bells(name, role, w, create=creator)
+        self._ring_peer_bell = self._bells.ring_peer  # bound once: called on every publish and release
+        self._ends = Ends(name, role, w)
+        self._ready = self._has_data if role is Role.CONSUMER else self._has_space
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(msg_type) if msg_type is not None else msgspec.msgpack.Decoder()
-        self._claim_role()
+        try:
+            self._ends.claim()
+        except RingError:  # a live process holds the role
+            self._release_all()
+            raise
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -243,7 +171,7 @@ class Ring:
         cls, name: str, role: Role, *, nslots: int = 256, slot_bytes: int = 4096, **kw: Any
     ) -> "Ring":
         """Create the ring ``name`` (fails if it exists) and take ``role`` in it."""
-        if not _NAME_RE.match(name):
+        if not NAME_RE.match(name):
             raise RingError(f"bad ring name {name!r}: use [A-Za-z0-9_.-], at most 200 chars")
         if nslots < 2 or nslots & (nslots - 1):
             raise RingError(f"nslots must be a power of two >= 2, got {nslots}")
@@ -264,13 +192,13 @@ class Ring:
             return cls(name, role, shm, creator=True, **kw)
         except BaseException:
             shm.close_fd()
-            _unlink_all(name)
+            unlink_all(name)
             raise
 
     @classmethod
     def attach(cls, name: str, role: Role, **kw: Any) -> "Ring":
         """Attach to the existing ring ``name`` and take ``role`` in it."""
-        if not _NAME_RE.match(name):
+        if not NAME_RE.match(name):
             raise RingError(f"bad ring name {name!r}")
         try:
             shm = posix_ipc.SharedMemory("/" + name)
@@ -281,228 +209,27 @@ class Ring:
             raise RingError(f"ring {name!r} is too small to be a ring ({shm.size} bytes)")
         return cls(name, role, shm, creator=False, **kw)
 
-    def _claim_role(self) -> None:
-        w = self._w
-        pid_i, start_i, state_i = self._me
-        if w[state_i] == STATE_ATTACHED and process_alive(int(w[pid_i]), int(w[start_i])):
-            holder = int(w[pid_i])
-            self._release_all()
-            raise RingError(f"{self.role.value} role of ring {self.name!r} is held by live pid {holder}")
-        pid, start = self_identity()
-        w[pid_i] = pid
-        w[start_i] = start
-        w[state_i] = STATE_ATTACHED
-
-    # ------------------------------------------------------------ liveness
+    # ------------------------------------------------------------ liveness (ring_peer.Ends)
     @property
     def peer_pid(self) -> int:
-        return int(self._w[self._peer[0]])
+        return self._ends.peer_pid
 
     def peer_status(self) -> PeerStatus:
-        w = self._w
-        pid_i, start_i, state_i = self._peer
-        state = w[state_i]
-        if state == STATE_UNATTACHED:
-            return PeerStatus.PENDING
-        if state == STATE_CLOSED:
-            return PeerStatus.CLOSED
-        return PeerStatus.ALIVE if process_alive(int(w[pid_i]), int(w[start_i])) else PeerStatus.DEAD
+        return self._ends.peer_status()
 
     def peer_alive(self) -> bool:
         """True unless the peer attached and then closed, exited or crashed."""
-        return not self.peer_status().gone
+        return not self._ends.peer_status().gone
 
     def check_peer(self) -> None:
-        status = self.peer_status()
-        if status is PeerStatus.CLOSED:
-            raise PeerDead(self.name, self._peer_role, self.peer_pid, "it closed the ring")
-        if status is PeerStatus.DEAD:
-            raise PeerDead(self.name, self._peer_role, self.peer_pid, "the process exited or was killed")
+        self._ends.check_peer()
 
-    @property
-    def _peer_role(self) -> str:
-        return "consumer" if self.role is Role.PRODUCER else "producer"
-
-    # ------------------------------------------------------------ producer side
-    def try_put_bytes(self, data: bytes | bytearray | memoryview) -> bool:
-        """Publish ``data``; never blocks.  True when the ring took the message, False when it is full.
-
-        A message larger than one slot is taken as soon as its first slot is
-        published; the ring keeps the rest and publishes it from :meth:`flush`
-        (called by every later ``try_put``): keep calling it while
-        :attr:`pending_bytes` is non-zero.  False while an earlier message is
-        still partly unpublished.
-        """
-        if self._closed:
-            raise RingError(f"ring {self.name!r} is closed")
-        n = len(data)
-        if n > self.max_message_bytes:
-            raise MessageTooLarge(n, self.max_message_bytes, self.name)
-        if self._tx is not None and not self.flush():
-            return False
-        w = self._w
-        head = w[W_HEAD]
-        if head - w[W_TAIL] >= self.nslots:
-            return False
-        if n <= self.capacity:  # the common case: one slot, published at once
-            self._write_slot(head, data, n)
-            self._ring_peer_bell()
-            return True
-        self._tx = memoryview(data).cast("B")
-        self.flush()
-        return True
-
-    def _write_slot(self, head: int, data: Any, word: int) -> None:
-        n = word & LEN_MASK
-        off = HEADER_BYTES + (head & self._mask) * self.slot_bytes
-        self._buf[off + LEN_BYTES : off + LEN_BYTES + n] = data
-        self._w[off >> 3] = word
-        if not _TSO:
-            _fence()
-        self._w[W_HEAD] = head + 1
-
-    def flush(self) -> bool:
-        """Publish what fits of a message that spans slots; never blocks.  True when nothing is left."""
-        tx = self._tx
-        if tx is None:
-            return True
-        if self._closed:
-            raise RingError(f"ring {self.name!r} is closed")
-        w = self._w
-        head, cap = w[W_HEAD], self.capacity
-        free = self.nslots - (head - w[W_TAIL])
-        published = False
-        while free > 0 and tx is not None:
-            n = min(cap, len(tx))
-            last = n == len(tx)
-            self._write_slot(head, tx[:n], n if last else n | MORE)
-            head += 1
-            free -= 1
-            published = True
-            tx = None if last else tx[n:]
-        self._tx = tx
-        if published:
-            self._ring_peer_bell()
-        return tx is None
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of a taken message not published yet (see :meth:`try_put_bytes`)."""
-        return 0 if self._tx is None else len(self._tx)
-
-    def put_bytes(self, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
-        """Publish ``data`` whole, waiting for free slots up to ``timeout_s`` in all.
-
-        Raises ``TimeoutError`` when the ring stays full.  A message that spans
-        slots may then be partly published and is still owned by the ring:
-        :meth:`flush` finishes it; putting it again would deliver it twice.
-        ``PeerDead`` when the consumer is gone, ``MessageTooLarge`` when
-        ``data`` exceeds ``max_message_bytes``.
-        """
-        deadline = None if timeout_s is None else self._clock() + timeout_s
-        while not self.try_put_bytes(data):
-            self._wait(self._has_space, _left(deadline, self._clock), "space in ring")
-        while not self.flush():
-            self._wait(self._has_space, _left(deadline, self._clock), "space in ring")
-
-    def try_put(self, msg: Any) -> bool:
-        return self.try_put_bytes(self._enc.encode(msg))
-
-    def put(self, msg: Any, timeout_s: float | None = None) -> None:
-        self.put_bytes(self._enc.encode(msg), timeout_s)
-
-    def _has_space(self) -> bool:
-        w = self._w
-        return w[W_HEAD] - w[W_TAIL] < self.nslots
-
-    # ------------------------------------------------------------ consumer side
-    def _take(self, decode: bool) -> Any:
-        if self._closed:
-            raise RingError(f"ring {self.name!r} is closed")
-        w = self._w
-        while True:
-            tail = w[W_TAIL]
-            if tail >= w[W_HEAD]:
-                return None  # empty (a message whose last slot is still to come stays in _rx)
-            if not _TSO:
-                _fence()
-            off = HEADER_BYTES + (tail & self._mask) * self.slot_bytes
-            word = w[off >> 3]
-            n = word & LEN_MASK
-            if n > self.capacity:
-                self._rx = bytearray()
-                self._release_slot(tail)
-                raise RingError(f"ring {self.name!r} is corrupt: slot length {n} > capacity {self.capacity}")
-            if self._skipping:
-                self._skipping = bool(word & MORE)
-                self._release_slot(tail)
-                continue
-            payload = self._buf[off + LEN_BYTES : off + LEN_BYTES + n]
-            if word & MORE:
-                self._rx += payload
-                payload.release()
-                self._release_slot(tail)
-                if len(self._rx) > self.max_message_bytes:
-                    size, self._rx = len(self._rx), bytearray()
-                    self._skipping = True  # its remaining slots are consumed unread as they arrive
-                    raise MessageTooLarge(size, self.max_message_bytes, self.name)
-                continue
-            try:
-                if self._rx:  # the last slot of a message that spans slots
-                    self._rx += payload
-                    payload.release()
-                    whole, self._rx = self._rx, bytearray()
-                    out = self._dec.decode(whole) if decode else bytes(whole)
-                else:
-                    out = self._dec.decode(payload) if decode else bytes(payload)
-            finally:
-                payload.release()
-                self._release_slot(tail)  # a bad message is consumed, not re-read forever
-            return out
-
-    def _release_slot(self, tail: int) -> None:
-        if not _TSO:
-            _fence()
-        self._w[W_TAIL] = tail + 1
-        self._ring_peer_bell()
-
-    def try_get_bytes(self) -> bytes | None:
-        """The next message's bytes, or None when the ring is empty; never blocks."""
-        return self._take(decode=False)
-
-    def try_get(self) -> Any:
-        """The next decoded message, or None when the ring is empty; never blocks.
-
-        A message that does not decode as ``msg_type`` is consumed and raises
-        ``msgspec.ValidationError``/``DecodeError``.
-        """
-        return self._take(decode=True)
-
-    def get_bytes(self, timeout_s: float | None = None) -> bytes:
-        return self._get(False, timeout_s)
-
-    def get(self, timeout_s: float | None = None) -> Any:
-        """The next decoded message, waiting up to ``timeout_s`` (None: until the peer dies)."""
-        return self._get(True, timeout_s)
-
-    def _get(self, decode: bool, timeout_s: float | None) -> Any:
-        deadline = None if timeout_s is None else self._clock() + timeout_s
-        while True:
-            out = self._take(decode)
-            if out is not None:  # None also while a message that spans slots is only partly here
-                return out
-            self._wait(self._has_data, _left(deadline, self._clock), "a message")
-
-    def _has_data(self) -> bool:
-        w = self._w
-        return w[W_TAIL] < w[W_HEAD]
-
+    # ------------------------------------------------------------ watching (a second thread of the consumer)
     def depth(self) -> int:
         """Messages published and not yet consumed."""
         w = self._w
         return int(w[W_HEAD] - w[W_TAIL])
 
-    # ------------------------------------------------------------ watching (a second thread of the consumer)
     def published(self) -> tuple[int, int]:
         """(TAIL, HEAD): slots consumed and published so far.  Read-only: safe from a thread other than the
         consumer's (each word is one aligned 8-byte load)."""
@@ -523,29 +250,9 @@ class Ring:
         sleep flag and bell, which the consumer's ``try_get`` never touches.  Never call it while the consumer
         itself may sleep on this ring (``get``)."""
         w = self._w
-        w[self._my_sleep] = 1
-        _fence()
-        try:
-            if w[W_HEAD] > after_head:
-                return
-            poller = select.poll()
-            poller.register(self._my_bell, select.POLLIN)
-            poller.register(interrupt_fd, select.POLLIN)
-            poller.poll(max(0, int(timeout_s * 1000)))
-        finally:
-            self.disarm()
+        self._bells.watch(lambda: w[W_HEAD] > after_head, max(0, int(timeout_s * 1000)), interrupt_fd)
 
-    # ------------------------------------------------------------ waiting
-    def _ring_peer_bell(self) -> None:
-        _fence()
-        w = self._w
-        if w[self._peer_sleep]:
-            w[self._peer_sleep] = 0
-            try:
-                os.write(self._peer_bell, b"\x01")
-            except BlockingIOError:
-                pass  # the pipe is full of wake-ups already
-
+    # ------------------------------------------------------------ waiting (ring_bells.Bells)
     def fileno(self) -> int:
         """The bell this endpoint sleeps on: readable when the peer rang it.
 
@@ -553,26 +260,15 @@ class Ring:
         :meth:`disarm` after; ``arm()`` returning True means "ready now, do not
         sleep".
         """
-        return self._my_bell
+        return self._bells.fileno()
 
     def arm(self) -> bool:
         """Announce that this side is about to sleep.  True if it should not."""
-        ready = self._has_data if self.role is Role.CONSUMER else self._has_space
-        self._w[self._my_sleep] = 1
-        _fence()
-        if ready():
-            self._w[self._my_sleep] = 0
-            return True
-        return False
+        return self._bells.arm(self._ready)
 
     def disarm(self, drain: bool = True) -> None:
         """Done sleeping.  ``drain=False``: a poll just found the bell empty, so skip the read that empties it."""
-        self._w[self._my_sleep] = 0
-        if drain:
-            try:
-                os.read(self._my_bell, 4096)
-            except BlockingIOError:
-                pass
+        self._bells.disarm(drain)
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float | None, what: str) -> None:
         if self._closed:
@@ -596,13 +292,13 @@ class Ring:
                 self.check_peer()
                 slice_s = self.poll_slice_s
                 if deadline is not None:
-                    left = deadline - clock()
-                    if left <= 0:
+                    left_s = deadline - clock()
+                    if left_s <= 0:
                         raise TimeoutError(
                             f"no {what} on ring {self.name!r} ({self.role.value}) within {timeout_s} s"
                         )
-                    slice_s = min(slice_s, left)
-                self._poller.poll(max(1, int(slice_s * 1000 + 0.999)))
+                    slice_s = min(slice_s, left_s)
+                self._bells.sleep(max(1, int(slice_s * 1000 + 0.999)))
             finally:
                 self.disarm()
 
@@ -615,20 +311,15 @@ class Ring:
         """
         if not self._unlinked:
             self._unlinked = True
-            _unlink_all(self.name)
+            unlink_all(self.name)
 
     def close(self) -> None:
         """Mark this side closed, wake the peer, unmap.  The creator also unlinks.  Idempotent."""
         if self._closed:
             return
         self._closed = True
-        w = self._w
-        w[self._me[2]] = STATE_CLOSED
-        _fence()
-        try:
-            os.write(self._peer_bell, b"\x01")  # a sleeping peer sees CLOSED now
-        except (BlockingIOError, OSError):
-            pass
+        self._ends.mark_closed()
+        self._bells.wake_peer()  # a sleeping peer sees CLOSED now
         self._release_all()
         if self.creator:
             self.unlink()
@@ -640,10 +331,7 @@ class Ring:
 
     def _release_all(self) -> None:
         self._release_memory()
-        for fd in (getattr(self, "_data_fd", -1), getattr(self, "_space_fd", -1)):
-            if fd >= 0:
-                os.close(fd)
-        self._data_fd = self._space_fd = -1
+        self._bells.close()
 
     def __enter__(self) -> "Ring":
         return self
@@ -653,19 +341,3 @@ class Ring:
 
     def __repr__(self) -> str:
         return f"Ring({self.name!r}, {self.role.value}, nslots={self.nslots}, slot_bytes={self.slot_bytes})"
-
-
-def _left(deadline: float | None, clock: Callable[[], float]) -> float | None:
-    return None if deadline is None else max(0.0, deadline - clock())
-
-
-def _unlink_all(name: str) -> None:
-    try:
-        posix_ipc.unlink_shared_memory("/" + name)
-    except posix_ipc.ExistentialError:
-        pass
-    for path in bell_paths(name):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

@@ -182,12 +182,12 @@ def test_routing_headers_parse_as_llm_d_sends_them_and_malformed_ones_are_refuse
 
 def test_ad_hoc_prefill_instances_are_bounded_and_the_forgotten_ones_leave_metrics():
     app = server.Router(server.RouterConfig(prefill=("http://pre:8100",), decode=("http://dec:8200",)))
-    assert app._named_prefill(HostPort("pre", 8100)) is app.prefill.instances[0]  # configured: matched
-    first = app._named_prefill(HostPort("10.0.0.1", 8100))
+    assert app.fleet.named_prefill(HostPort("pre", 8100)) is app.prefill.instances[0]  # configured: matched
+    first = app.fleet.named_prefill(HostPort("10.0.0.1", 8100))
     assert first.ad_hoc and first.worker == ("10.0.0.1", DEFAULT_PORT)
-    assert app._named_prefill(HostPort("10.0.0.1", 8100)) is first  # remembered
+    assert app.fleet.named_prefill(HostPort("10.0.0.1", 8100)) is first  # remembered
     for i in range(server.AD_HOC_MAX):
-        app._named_prefill(HostPort("10.0.1.1", 9000 + i))
+        app.fleet.named_prefill(HostPort("10.0.1.1", 9000 + i))
     assert len(app.ad_hoc) == server.AD_HOC_MAX and "10.0.0.1:8100" not in app.ad_hoc  # the least recent went
     exposed = {s.labels.get("instance") for m in app.metrics.registry.collect() for s in m.samples}
     assert "10.0.0.1:8100" not in exposed and "10.0.1.1:9000" in exposed
