@@ -107,8 +107,7 @@ class WorkerSupervisor:
         self.fatal: str | None = None  # the worker reported a configuration error: no restarts
         self.attach_error: str | None = None
         self.started = False  # the engine's start (the tier's __init__) is over
-        # workers given up alive (_kill_failed; an attach or configuration error): reaped once they die
-        self.abandoned: list[WorkerClient] = []
+        self._reaper = Reaper(name)
         self.stall_s = float(stall_s)
         self.start_s = float(start_s)  # also bounds a restarted worker's way to Ready (see check)
         self._spawn, self._attach, self._hooks, self._counts = spawn, attach, hooks, counts
@@ -125,6 +124,11 @@ class WorkerSupervisor:
     def move(self, event: Event) -> SupervisorState:
         self.state = next_state(self.state, event)
         return self.state
+
+    @property
+    def abandoned(self) -> list[WorkerClient]:
+        """Workers given up alive, not reaped yet."""
+        return self._reaper.workers
 
     # ------------------------------------------------------------ what the tier asks
     @property
@@ -198,8 +202,8 @@ class WorkerSupervisor:
 
     def tend(self) -> bool:
         """Reap given-up workers; start the next worker when due.  True when a worker's rings exist to be read."""
-        if self.abandoned:  # ~2 us (waitpid) each, only while one is left: reaped even while no worker runs
-            self.reap_abandoned()
+        if self._reaper.workers:  # ~2 us (waitpid) each, only while one is left: reaped even while no worker runs
+            self._reaper.reap()
         if self.client is not None:
             return True
         if self.state is SupervisorState.BACKOFF and time.monotonic() >= self._restart_at:
@@ -210,10 +214,6 @@ class WorkerSupervisor:
     def _schedule_restart(self) -> None:
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, RESTART_MAX_S)
-
-    def reap_abandoned(self) -> None:
-        """Forget the given-up workers that are gone (each reaped: no zombie)."""
-        self.abandoned = [c for c in self.abandoned if not c.reap()]
 
     # ------------------------------------------------------------ what the worker says
     def poll(self) -> list[api.Event]:
@@ -359,7 +359,7 @@ class WorkerSupervisor:
             if self.state is not SupervisorState.KILLING:
                 self._kill(client, time.monotonic(), why)
             return
-        self._log_end(why, gone, jobs)
+        log.error(*_end_line(self.name, why, gone, jobs, self.fatal, self._rings, self._backoff_s))
         self._killing_since = None
         self._starting_since = None
         if gone:
@@ -370,24 +370,46 @@ class WorkerSupervisor:
             self.move(Event.REFUSED if self.fatal is not None else Event.GONE)
         self._hooks.watch(None)  # before its rings close under it
         if client is not None:
-            self._let_go(client, gone)
+            self._reaper.let_go(client, gone)
         self._schedule_restart()
 
-    def _log_end(self, why: str, gone: bool, jobs: int) -> None:
-        if not gone:
-            nxt = ("NOT restarting (configuration error)" if self.fatal is not None else
-                   f"re-creating the rings for the operator's next worker in {self._backoff_s:.0f} s" if self._rings
-                   else f"starting the next one in {self._backoff_s:.0f} s")
-            log.error("p2pworker %s given up (%s): %s", self.name, why, nxt)
-        elif self.fatal is not None:
-            log.error("p2pworker %s cannot serve (%s): failing %d job(s); NOT restarting it: fix the configuration "
-                      "and restart vLLM (until then every transfer through this tier fails at once)",
-                      self.name, why, jobs)
-        else:
-            log.error("p2pworker %s died (%s): failing %d job(s), restarting in %.0f s",
-                      self.name, why, jobs, self._backoff_s)
+    def kill_and_wait(self) -> None:
+        """drain_jobs: the worker SIGKILLed and waited for until it is gone (kill_until_gone)."""
+        kill_until_gone(self.client, self.name)
 
-    def _let_go(self, client: WorkerClient, gone: bool) -> None:
+    def close(self) -> None:
+        """vLLM's shutdown: the worker stopped and its rings closed; given-up workers waited for, bounded."""
+        client, self.client = self.client, None
+        self.move(Event.CLOSED)
+        if client is not None:
+            code = client.close()
+            log.info("p2pworker %s exited with %s", self.name, code)
+        # bounded: vLLM's shutdown must not hang on a process that does not die (as close() waits after its SIGKILL)
+        self._reaper.wait(KILL_WAIT_S)
+
+
+def _end_line(name: str, why: str, gone: bool, jobs: int, fatal: str | None, rings: bool,
+              backoff_s: float) -> tuple:
+    """The log line (format and arguments) for a worker that is gone (``gone``) or given up alive."""
+    if not gone:
+        nxt = ("NOT restarting (configuration error)" if fatal is not None else
+               f"re-creating the rings for the operator's next worker in {backoff_s:.0f} s" if rings
+               else f"starting the next one in {backoff_s:.0f} s")
+        return "p2pworker %s given up (%s): %s", name, why, nxt
+    if fatal is not None:
+        return ("p2pworker %s cannot serve (%s): failing %d job(s); NOT restarting it: fix the configuration "
+                "and restart vLLM (until then every transfer through this tier fails at once)", name, why, jobs)
+    return "p2pworker %s died (%s): failing %d job(s), restarting in %.0f s", name, why, jobs, backoff_s
+
+
+class Reaper:
+    """Workers given up alive (_kill_failed; an attach or configuration error): reaped once they die."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.workers: list[WorkerClient] = []
+
+    def let_go(self, client: WorkerClient, gone: bool) -> None:
         """Close a gone worker's rings; abandon one that lives (reaped once it dies)."""
         try:
             if gone and client.proc is not None and client.alive():
@@ -401,39 +423,37 @@ class WorkerSupervisor:
                 client.close(timeout_s=0)  # gone already, or an operator's worker (it stops on its rings closing)
             else:
                 client.abandon()  # close() would wait for a process that does not die
-                self.abandoned.append(client)
+                self.workers.append(client)
         except Exception as e:  # the rings are ours; closing them must not take vLLM down
             log.warning("closing the dead worker's rings: %s", e)
 
-    def kill_and_wait(self) -> None:
-        """SIGKILL the worker and wait until it is gone (drain_jobs: a blocked reset is visible; a job failed while
-        the worker lives is not safe), killing it again and saying so every DRAIN_LOG_S."""
-        client = self.client
-        if client is None:
-            return
-        client.kill()
-        next_log = time.monotonic() + DRAIN_LOG_S
-        while client.alive():
-            if time.monotonic() >= next_log:
-                next_log += DRAIN_LOG_S
-                log.error("drain: p2pworker %s still alive after SIGKILL; vLLM's reset waits for it", self.name)
-                client.kill()
-            time.sleep(0.01)
+    def reap(self) -> None:
+        """Forget the given-up workers that are gone (each reaped: no zombie)."""
+        self.workers = [c for c in self.workers if not c.reap()]
 
-    def close(self) -> None:
-        """vLLM's shutdown: the worker stopped and its rings closed; given-up workers waited for, bounded."""
-        client, self.client = self.client, None
-        self.move(Event.CLOSED)
-        if client is not None:
-            code = client.close()
-            log.info("p2pworker %s exited with %s", self.name, code)
-        # bounded: vLLM's shutdown must not hang on a process that does not die (as close() waits after its SIGKILL)
-        deadline = time.monotonic() + KILL_WAIT_S
+    def wait(self, timeout_s: float) -> None:
+        """Reap for at most ``timeout_s``; say which are still alive."""
+        deadline = time.monotonic() + timeout_s
         while True:
-            self.reap_abandoned()
-            if not self.abandoned or time.monotonic() > deadline:
+            self.reap()
+            if not self.workers or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        for c in self.abandoned:
+        for c in self.workers:
             log.error("p2pworker %s: a worker given up earlier (pid %d) is still alive; stop it by hand", self.name,
                       c.proc.pid)
+
+
+def kill_until_gone(client: WorkerClient | None, name: str) -> None:
+    """SIGKILL the worker and wait until it is gone (drain_jobs: a blocked reset is visible; a job failed while
+    the worker lives is not safe), killing it again and saying so every DRAIN_LOG_S."""
+    if client is None:
+        return
+    client.kill()
+    next_log = time.monotonic() + DRAIN_LOG_S
+    while client.alive():
+        if time.monotonic() >= next_log:
+            next_log += DRAIN_LOG_S
+            log.error("drain: p2pworker %s still alive after SIGKILL; vLLM's reset waits for it", name)
+            client.kill()
+        time.sleep(0.01)
