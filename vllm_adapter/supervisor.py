@@ -100,7 +100,8 @@ class WorkerSupervisor:
     """Owns the WorkerClient: starts it, reads its Ready and errors, watches it live, kills, gives up and reaps it."""
 
     def __init__(self, name: str, spawn: Callable[[], WorkerClient], attach: api.AttachRegion, hooks: WorkerHooks,
-                 counts: Counts, *, rings: bool, start_s: float, stall_s: float):
+                 counts: Counts, *, rings: bool, start_s: float, stall_s: float,
+                 clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.state = SupervisorState.BACKOFF
         self.client: WorkerClient | None = None
@@ -111,11 +112,12 @@ class WorkerSupervisor:
         self.stall_s = float(stall_s)
         self.start_s = float(start_s)  # also bounds a restarted worker's way to Ready (see check)
         self._spawn, self._attach, self._hooks, self._counts = spawn, attach, hooks, counts
+        self._clock = clock  # monotonic seconds (a test drives its own)
         self._rings = rings  # attach to an operator-launched worker (p2pworker launch --rings <rings>)
         self._restart_at = 0.0
         self._backoff_s = RESTART_MIN_S
         self._next_liveness = 0.0
-        self._last_event = time.monotonic()
+        self._last_event = self._clock()
         self._starting_since: float | None = None  # a worker process exists, its Ready not read yet, since then
         self._killing_since: float | None = None  # a wedged worker was SIGKILLed at this time; not gone yet
         self._kill_retry_at = 0.0  # ... and is killed again (and logged) from then on, every KILL_RETRY_S
@@ -206,13 +208,13 @@ class WorkerSupervisor:
             self._reaper.reap()
         if self.client is not None:
             return True
-        if self.state is SupervisorState.BACKOFF and time.monotonic() >= self._restart_at:
+        if self.state is SupervisorState.BACKOFF and self._clock() >= self._restart_at:
             self._counts.restarts += 1
             self.start()
         return False
 
     def _schedule_restart(self) -> None:
-        self._restart_at = time.monotonic() + self._backoff_s
+        self._restart_at = self._clock() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, RESTART_MAX_S)
 
     # ------------------------------------------------------------ what the worker says
@@ -223,7 +225,7 @@ class WorkerSupervisor:
             events = []
             log.error("event ring: %s", e)
         if events:
-            self._last_event = time.monotonic()  # read before judging liveness: a slow poller is not a wedge
+            self._last_event = self._clock()  # read before judging liveness: a slow poller is not a wedge
         return events
 
     def on_ready(self, ev: api.Ready) -> bool:
@@ -239,7 +241,7 @@ class WorkerSupervisor:
         self.move(Event.READY)
         self._starting_since = None
         self.attach_error = None
-        self._last_event = time.monotonic()
+        self._last_event = self._clock()
         self._backoff_s = RESTART_MIN_S
         client = self.client
         client.ready = ev
@@ -357,7 +359,7 @@ class WorkerSupervisor:
             log.error("p2pworker %s: %s, with %d job(s) open: killing it; they fail once it is gone", self.name,
                       why, jobs)
             if self.state is not SupervisorState.KILLING:
-                self._kill(client, time.monotonic(), why)
+                self._kill(client, self._clock(), why)
             return
         log.error(*_end_line(self.name, why, gone, jobs, self.fatal, self._rings, self._backoff_s))
         self._killing_since = None

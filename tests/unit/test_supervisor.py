@@ -104,13 +104,14 @@ class Rig:
         self.fail_spawn = False
         self.client_kw = client_kw
         self.counts = Counts()
+        self.now = 0.0  # the supervisor's clock, driven by the test
         hooks = WorkerHooks(watch=lambda ring: self.seen.append("watch" if ring is not None else "unwatch"),
                             spawned=lambda: self.seen.append("spawned"),
                             ready=lambda ev: self.seen.append("ready"),
                             gone=lambda: self.seen.append("gone"),
                             jobs_open=lambda: self.jobs)
         self.sup = WorkerSupervisor("w", self._spawn, ATTACH, hooks, self.counts, rings=rings, start_s=5.0,
-                                    stall_s=2.0)
+                                    stall_s=2.0, clock=lambda: self.now)
         real = self.sup.move
 
         def move(event: Event) -> SupervisorState:
@@ -132,7 +133,7 @@ class Rig:
         assert not self.sup.on_ready(api.Ready("n", "tcp://h:1", "zmq", "f", "a", api=api.RING_API, hold_s=1.0))
 
     def check(self, at: float) -> bool:
-        self.sup._next_liveness = 0.0  # every check is due (the rig's clock jumps)
+        self.now = at
         return self.sup.check(at)
 
 
@@ -158,7 +159,7 @@ def test_spawn_ready_death_and_restart():
     rig.sup.start()  # BACKOFF -SPAWN_FAILED-> BACKOFF
     assert rig.sup.state is S.BACKOFF and rig.sup.client is None and rig.seen == ["unwatch"]
     rig.fail_spawn = False
-    rig.sup._restart_at = 0.0
+    rig.now += 1.0  # the backoff has passed
     assert not rig.sup.tend()  # due: BACKOFF -SPAWNED-> STARTING
     assert rig.sup.state is S.STARTING and rig.counts.restarts == 1 and rig.client.sent == [ATTACH]
     assert rig.seen[-2:] == ["watch", "spawned"] and rig.sup.starting and not rig.sup.serving
@@ -177,7 +178,7 @@ def test_a_wedged_worker_is_killed_and_its_jobs_end_only_once_it_is_gone():
     rig.sup.start()
     rig.ready()
     rig.jobs = 1
-    t = rig.sup._last_event
+    t = rig.now  # its last event: the Ready
     assert not rig.check(t + 3.0)  # no event for stall_s: SERVING -KILLED-> KILLING
     assert rig.sup.state is S.KILLING and rig.client.kills == 1 and not rig.sup.serving and rig.sup.ready
     assert rig.sup.wants_steps(stopping=True, woken=False)
@@ -261,7 +262,7 @@ def test_close_stops_from_every_state():
     rig = Rig(dies_on_kill=False)
     rig.sup.start()
     rig.ready()
-    rig.check(rig.sup._last_event + 3.0)
+    rig.check(rig.now + 3.0)
     rig.sup.close()  # KILLING
     assert rig.sup.state is S.STOPPED
 
