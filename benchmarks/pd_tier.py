@@ -146,25 +146,25 @@ def _hop_install(tier, role):
             TR.append((time.monotonic_ns(), _name, job.job_id, th()))
             return _f0(job)
         setattr(tier, name, w)
-    fl0 = tier._flush
+    fl0 = tier.outbox.flush
 
     def flush():
-        before = [c.job_id for c in tier._outbox if isinstance(c, (_api.LoadJob, _api.StoreJob))]
+        before = [c.job_id for c in tier.outbox.commands if isinstance(c, (_api.LoadJob, _api.StoreJob))]
         t0 = time.monotonic_ns()
         r = fl0()
         if before:
-            left = {c.job_id for c in tier._outbox if isinstance(c, (_api.LoadJob, _api.StoreJob))}
+            left = {c.job_id for c in tier.outbox.commands if isinstance(c, (_api.LoadJob, _api.StoreJob))}
             for j in before:
                 if j not in left:
                     TR.append((time.monotonic_ns(), "flushed", j, th(), t0))
         return r
-    tier._flush = flush
-    fin0 = tier._finish
+    tier.outbox.flush = flush
+    fin0 = tier.jobs.finish
 
     def finish(job_id, success, *a, **k):
         TR.append((time.monotonic_ns(), "finished", job_id, th(), int(success)))
         return fin0(job_id, success, *a, **k)
-    tier._finish = finish
+    tier.jobs.finish = finish
     pump0 = tier._pump
 
     def pump():

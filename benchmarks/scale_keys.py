@@ -68,7 +68,7 @@ class Engine:
         self.tier = self.mgr.secondary_tiers[0]
         self.timed = Timed(self.tier)
         self.view = np.asarray(self.tier._primary_kv_view)
-        self.pid = self.tier._client.proc.pid
+        self.pid = self.tier.supervisor.client.proc.pid
 
     def step(self, new=()) -> None:
         with self.mgr.lock:

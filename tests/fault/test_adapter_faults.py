@@ -24,7 +24,7 @@ def loads_in_flight(decode, host: str, port: str, n: int, prefix: str, first_chu
             decode.mgr.on_new_request(ctx)
         decode.lookup(ctx, [first_chunk + i])
         decode.step([ctx.req_id])
-    run_until([decode], lambda: len(decode.tier._jobs) == n and not decode.tier._outbox, timeout_s=10)
+    run_until([decode], lambda: len(decode.tier.jobs.open) == n and not decode.tier.outbox.commands, timeout_s=10)
 
 
 def served_after_restart(prefill, decode, host: str, port: str, kv: str) -> bool:
@@ -50,15 +50,15 @@ def test_worker_sigkill_under_load_fails_every_job_once_within_1s(free_port, fig
         host, port = prefill.tier.worker_address.split(":")
         n = 24
         loads_in_flight(decode, host, port, n, "kv-pending", 1000)
-        old = decode.tier._client.proc
+        old = decode.tier.supervisor.client.proc
         t0 = time.monotonic()
         os.kill(old.pid, signal.SIGKILL)
         run_until([decode], decode.idle, timeout_s=10)  # a double or unknown report would raise in vLLM
         took = time.monotonic() - t0
         assert decode.tier.counters()["loads_failed"] == n
         assert took <= 1.0, f"in-flight jobs reported failed {took:.2f} s after the worker died"
-        run_until([decode], lambda: decode.tier._ready, timeout_s=30)
-        assert decode.tier._client.proc.pid != old.pid
+        run_until([decode], lambda: decode.tier.supervisor.ready, timeout_s=30)
+        assert decode.tier.supervisor.client.proc.pid != old.pid
         assert served_after_restart(prefill, decode, host, port, "kv-after")
         figure(figures, f"worker SIGKILL with {n} loads in flight: all reported failed once", f"{took * 1e3:.0f} ms",
                "≤ 1 s")
@@ -80,7 +80,7 @@ def test_worker_sigstopped_under_the_adapter_fails_jobs_and_recovers(free_port, 
         host, port = prefill.tier.worker_address.split(":")
         n = 8
         loads_in_flight(decode, host, port, n, "kv-wedged", 2000)
-        old = decode.tier._client.proc
+        old = decode.tier.supervisor.client.proc
         t0 = time.monotonic()
         os.kill(old.pid, signal.SIGSTOP)
         run_until([decode], decode.idle, timeout_s=stall_s + 10)
@@ -88,7 +88,7 @@ def test_worker_sigstopped_under_the_adapter_fails_jobs_and_recovers(free_port, 
         assert old.poll() is not None, "jobs were failed while the wedged worker still lived"
         assert decode.tier.counters()["loads_failed"] == n
         assert took <= stall_s + 1.5, f"jobs of a wedged worker reported failed after {took:.2f} s"
-        run_until([decode], lambda: decode.tier._ready, timeout_s=30)
+        run_until([decode], lambda: decode.tier.supervisor.ready, timeout_s=30)
         assert served_after_restart(prefill, decode, host, port, "kv-after-wedge")
         figure(figures, f"worker SIGSTOP under the adapter ({n} loads in flight): failed once, after the kill",
                f"{took:.2f} s", f"≤ worker_stall_s {stall_s:g} s + slack")

@@ -66,8 +66,8 @@ def puller(free_port):
 
 def test_the_tier_finds_the_engine_core_constructing_it(source):
     tier = source.engine.tier
-    assert tier._engine is not None and tier._engine.core is source
-    assert tier._waker is not None  # no tier-poll thread in this manager: the waker is on
+    assert tier.engine is not None and tier.engine.core is source
+    assert tier.waker is not None  # no tier-poll thread in this manager: the waker is on
 
 
 def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller):
@@ -80,7 +80,7 @@ def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller
     owner.store("own", ids)
     run_until([owner], owner.idle)
     time.sleep(2.0)  # idle: heartbeats arrive, unread
-    assert source.input_queue.empty() and owner.tier._waker.wakes == 0, "an idle engine was woken for nothing"
+    assert source.input_queue.empty() and owner.tier.waker.wakes == 0, "an idle engine was woken for nothing"
     host, port = owner.tier.worker_address.split(":")
     ctx = ReqContext(req_id="pull", kv_transfer_params={
         "remote_kv_source": {"kv_request_id": "pull-1", "remote_host": host, "remote_port": int(port)}})
@@ -104,7 +104,7 @@ def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller
     # the fetch: the source's worker offers the rows itself; the source engine reports its store job once woken
     source.idle_loop(lambda: puller.step() or (puller.idle() and owner.idle()), timeout_s=4.0)
     puller.check_loaded(ctx, ids)
-    assert owner.tier._waker.wakes >= 1
+    assert owner.tier.waker.wakes >= 1
 
 
 def test_a_drain_for_shutdown_ends_parked_stores_without_a_consumer(source):

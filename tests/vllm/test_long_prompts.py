@@ -99,14 +99,14 @@ def test_jobs_past_the_limits_fail_cleanly_and_the_engine_keeps_serving(free_por
         monkeypatch.undo()
 
         # A command larger than the ring's message limit (lowered to 20 kB; 1,000 keys encode to ~45 kB).
-        decode.tier._client.cmd.max_message_bytes = 20_000
+        decode.tier.supervisor.client.cmd.max_message_bytes = 20_000
         prefill.store("p2", range(700, 1700), {"remote_decoder": {"kv_request_id": "kv-big"}})
         ctx2 = _consumer(decode, prefill, "d2", "kv-big")
         assert decode.lookup(ctx2, range(700, 1700)) == [LookupResult.HIT_PENDING] * 1000
         decode.step(["d2"])
         run_until([decode, prefill], decode.idle, timeout_s=10)
         assert decode.tier.counters()["loads_failed"] == 2
-        decode.tier._client.cmd.max_message_bytes = api.RING_MAX_MESSAGE_BYTES
+        decode.tier.supervisor.client.cmd.max_message_bytes = api.RING_MAX_MESSAGE_BYTES
 
         # ...and the engine serves the next long request (2,000 chunks: its command spans slots).
         ids = list(range(1700, 3700))

@@ -43,14 +43,14 @@ def pd(free_port):
         e.close()
     for e in (prefill, decode):
         assert not os.path.exists(e.mmap_path), "vLLM's region file left behind"
-        assert e.tier._client is None
+        assert e.tier.supervisor.client is None
 
 
 def test_the_tier_is_loaded_from_module_path(pd):
     prefill, _ = pd
     assert isinstance(prefill.tier, P2PWorkerTier) and prefill.tier.tier_type == "P2PWorkerTier"
     assert prefill.tier.block_bytes == ROW and prefill.tier.worker_address.endswith(str(prefill.tier.port))
-    assert prefill.tier._handle.segments[0].path == prefill.mmap_path
+    assert prefill.tier.region.segments[0].path == prefill.mmap_path
     print("vllm", vllm.__version__)
 
 
@@ -67,7 +67,7 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     assert decode.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
     decode.step(["d-req"])  # submit_load: one batched job
     # handed to the worker by that step's on_schedule_end, not left for a later poll round
-    assert decode.tier._outbox == [] and decode.tier._jobs
+    assert decode.tier.outbox.commands == [] and decode.tier.jobs.open
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
     assert decode.lookup(ctx, ids) == [LookupResult.HIT] * len(ids)
     decode.check_loaded(ctx, ids)
@@ -75,7 +75,7 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     assert st_d["loads_ok"] == 1 and st_d["loads_failed"] == 0
     assert st_p["stores_ok"] >= 1 and st_p["stores_failed"] == 0 and st_p["jobs_in_flight"] == 0
     # the same counts reach vLLM through its metric hook (the manager's get_stats, summed as vLLM's frontend does)
-    w = decode.tier._name  # the worker label: the `engine` label of that worker's own series
+    w = decode.tier.worker_name  # the worker label: the `engine` label of that worker's own series
     assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0}
     assert decode.metric(M_DEATHS) == {(w,): 0} and decode.metric(M_IN_FLIGHT) == {(w,): 0}
     assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0}, "an unchanged count was reported twice"
@@ -95,14 +95,15 @@ def test_listed_peers_are_connected_before_any_request(free_port):
         while True:
             for e in (prefill, decode):
                 e.step()
-            ready = decode.tier._client is not None and decode.tier._client.ready is not None
-            st = admin.query(decode.tier._client.ready.admin) if ready else {"sessions": []}
+            ready = decode.tier.supervisor.client is not None and decode.tier.supervisor.client.ready is not None
+            st = admin.query(decode.tier.supervisor.client.ready.admin) if ready else {"sessions": []}
             up = [s for s in st["sessions"] if s["state"] == "active"]
             if up:
                 break
             assert time.monotonic() < deadline, f"no session to the listed peer: {st['sessions']}"
             time.sleep(0.01)
-        assert up[0]["peer_id"] == prefill.tier._client.ready.node_id and up[0]["data_path"] == "same_host", up
+        assert up[0]["peer_id"] == prefill.tier.supervisor.client.ready.node_id, up
+        assert up[0]["data_path"] == "same_host", up
     finally:
         for e in (decode, prefill):
             e.close()
@@ -119,20 +120,20 @@ def test_a_request_that_will_load_opens_its_session_before_any_lookup_and_does_n
     prefill.store("p-ahead", ids, {"remote_decoder": {"kv_request_id": "kv-ahead"}})
     host, port = prefill.tier.worker_address.split(":")
     sent = []
-    real_send = decode.tier._send
-    decode.tier._send = lambda cmd: sent.append(cmd) or real_send(cmd)
+    real_send = decode.tier.outbox.send
+    decode.tier.outbox.send = lambda cmd: sent.append(cmd) or real_send(cmd)
     params = {"remote_prefiller": {"kv_request_id": "kv-ahead", "remote_host": host, "remote_port": int(port)}}
     ctx = ReqContext(req_id="d-ahead", kv_transfer_params=params)
     with decode.lock:  # held, as vLLM holds it: 0.33's tier-poll thread cannot flush meanwhile
         decode.mgr.on_new_request(ctx)
-        assert decode.tier._outbox == []  # on the ring now, by on_new_request itself, not at a later flush
+        assert decode.tier.outbox.commands == []  # on the ring now, by on_new_request itself, not at a later flush
     assert sent == [api.OpenSession(f"{host}:{port}", keep=False)]
-    st = admin.query(decode.tier._client.ready.admin)
+    st = admin.query(decode.tier.supervisor.client.ready.admin)
     deadline = time.monotonic() + 30
     while not [s for s in st["sessions"] if s["state"] == "active"]:  # no lookup, no step, no load on decode
         assert time.monotonic() < deadline, f"the session never came up: {st['sessions']}"
         time.sleep(0.01)
-        st = admin.query(decode.tier._client.ready.admin)
+        st = admin.query(decode.tier.supervisor.client.ready.admin)
     assert st["kept_peers"] == [] and len(st["sessions"]) == 1
     link = st["sessions"][0]["link"]
     other = ReqContext(req_id="d-ahead-2", kv_transfer_params={
@@ -144,7 +145,7 @@ def test_a_request_that_will_load_opens_its_session_before_any_lookup_and_does_n
     decode.step(["d-ahead"])
     run_until([decode, prefill], lambda: decode.idle() and prefill.idle())
     assert decode.tier.counters()["loads_ok"] == 1
-    assert [s["link"] for s in admin.query(decode.tier._client.ready.admin)["sessions"]] == [link]
+    assert [s["link"] for s in admin.query(decode.tier.supervisor.client.ready.admin)["sessions"]] == [link]
     with decode.lock:
         decode.mgr.on_request_finished(ctx)
         decode.mgr.on_request_finished(other)
@@ -170,7 +171,7 @@ def test_reset_cache_ends_parked_stores_at_once_and_the_tier_serves_on(pd):
     waiting = consumer("kv-none")
     assert decode.lookup(waiting, [9]) == [LookupResult.HIT_PENDING]
     decode.step(["d-kv-none"])
-    assert decode.tier._jobs
+    assert decode.tier.jobs.open
     t0 = time.monotonic()
     with decode.lock:
         decode.mgr.reset_cache()
@@ -181,12 +182,12 @@ def test_reset_cache_ends_parked_stores_at_once_and_the_tier_serves_on(pd):
         if on_flushed is not None:  # 0.33: promotions are held until the workers flushed the reset
             on_flushed()
     prefill.store("p-r", [0, 1, 2], {"remote_decoder": {"kv_request_id": "kv-r"}})
-    assert prefill.tier._jobs, "the cascade's store job is parked in the worker"
+    assert prefill.tier.jobs.open, "the cascade's store job is parked in the worker"
     t0 = time.monotonic()
     with prefill.lock:
         prefill.mgr.reset_cache()  # drain_jobs, then vLLM's own `assert not self._jobs`
     assert time.monotonic() - t0 < 5.0
-    assert not prefill.tier._jobs and prefill.tier.counters()["stores_failed"] >= 1
+    assert not prefill.tier.jobs.open and prefill.tier.counters()["stores_failed"] >= 1
     ctx = consumer("kv-r")
     assert decode.lookup(ctx, [0, 1, 2]) == [LookupResult.HIT_PENDING] * 3
     decode.step(["d-kv-r"])
@@ -217,19 +218,19 @@ def test_drain_kills_a_worker_that_keeps_a_job_past_the_longest_lease(free_port)
                                                                      "settle_timeout_s": 0.5}})
     try:
         prefill.store("p-k", [0], {"remote_decoder": {"kv_request_id": "kv-k"}})
-        assert prefill.tier._jobs
-        pid = prefill.tier._client.proc.pid
-        prefill.tier._drain_s = 0.5  # as if the parked job had outlived every lease (a worker that lost track of it)
-        prefill.tier._client.send = lambda cmd: True  # and the ResetCache never reaches the worker
+        assert prefill.tier.jobs.open
+        pid = prefill.tier.supervisor.client.proc.pid
+        prefill.tier.drain_s = 0.5  # as if the parked job had outlived every lease (a worker that lost track of it)
+        prefill.tier.supervisor.client.send = lambda cmd: True  # and the ResetCache never reaches the worker
         t0 = time.monotonic()
         with prefill.lock:
             prefill.mgr.reset_cache()
         assert time.monotonic() - t0 < 10.0
-        assert not prefill.tier._jobs and prefill.tier.counters()["worker_deaths"] == 1
+        assert not prefill.tier.jobs.open and prefill.tier.counters()["worker_deaths"] == 1
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # reaped before its jobs were failed
-        run_until([prefill], lambda: prefill.tier._ready, timeout_s=30)
-        assert prefill.tier._client.proc.pid != pid
+        run_until([prefill], lambda: prefill.tier.supervisor.ready, timeout_s=30)
+        assert prefill.tier.supervisor.client.proc.pid != pid
     finally:
         prefill.close()
 
@@ -294,28 +295,28 @@ def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
         decode.mgr.on_new_request(ctx)
     decode.lookup(ctx, [3])
     decode.step(["d3"])  # the load waits at the producer: nothing was stored for kv-late
-    old = decode.tier._client.proc
-    old_admin = decode.tier._client.admin_path
+    old = decode.tier.supervisor.client.proc
+    old_admin = decode.tier.supervisor.client.admin_path
     os.kill(old.pid, signal.SIGKILL)
     t0 = time.monotonic()
     run_until([decode], decode.idle, timeout_s=10)  # the manager would assert on a double or unknown report
     assert time.monotonic() - t0 < 2.0
     assert decode.tier.counters()["worker_deaths"] == 1
-    assert decode.metric(M_DEATHS) == {(decode.tier._name,): 1}
+    assert decode.metric(M_DEATHS) == {(decode.tier.worker_name,): 1}
     assert not os.path.exists(old_admin), "the killed worker's admin socket was left behind"
     ctx2 = ReqContext(req_id="d4", kv_transfer_params={**params, "remote_prefiller": {
         **params["remote_prefiller"], "kv_request_id": "kv-new"}})
     with decode.lock:
         decode.mgr.on_new_request(ctx2)
     assert decode.lookup(ctx2, [4]) == [LookupResult.MISS]  # while no worker: MISS, vLLM recomputes
-    run_until([decode], lambda: decode.tier._ready, timeout_s=30)  # restarted after the backoff
-    assert decode.tier._client.proc.pid != old.pid and decode.tier.restarts == 1
+    run_until([decode], lambda: decode.tier.supervisor.ready, timeout_s=30)  # restarted after the backoff
+    assert decode.tier.supervisor.client.proc.pid != old.pid and decode.tier.restarts == 1
     prefill.store("p5", [7], {"remote_decoder": {"kv_request_id": "kv-new"}})
     ctx3 = ReqContext(req_id="d5", kv_transfer_params={**params, "remote_prefiller": {
         **params["remote_prefiller"], "kv_request_id": "kv-new"}})
     sent = []
-    real_send = decode.tier._send
-    decode.tier._send = lambda cmd: sent.append(cmd) or real_send(cmd)
+    real_send = decode.tier.outbox.send
+    decode.tier.outbox.send = lambda cmd: sent.append(cmd) or real_send(cmd)
     with decode.lock:
         decode.mgr.on_new_request(ctx3)
     # the new worker has no session: it is asked to open one again, whenever the dead worker's was asked
@@ -362,9 +363,9 @@ def test_attaches_to_an_operator_launched_worker(free_port):
     try:
         prefill = Engine("opp", free_port())
         decode = Engine("opd", free_port(), rings=prefix)  # no spawn: attach to the worker above
-        assert decode.tier._client.proc is None and decode.tier._ready
-        assert decode.tier._drain_s == pytest.approx(longest_hold_s(SessionConfig(max_lease_s=900.0)) + DRAIN_SLACK_S)
-        assert prefill.tier._drain_s == pytest.approx(longest_hold_s(SessionConfig()) + DRAIN_SLACK_S)
+        assert decode.tier.supervisor.client.proc is None and decode.tier.supervisor.ready
+        assert decode.tier.drain_s == pytest.approx(longest_hold_s(SessionConfig(max_lease_s=900.0)) + DRAIN_SLACK_S)
+        assert prefill.tier.drain_s == pytest.approx(longest_hold_s(SessionConfig()) + DRAIN_SLACK_S)
         host, port = prefill.tier.worker_address.split(":")
         prefill.store("p", [1, 2], {"remote_decoder": {"kv_request_id": "op-1"}})
         ctx = ReqContext(req_id="d", kv_transfer_params={
@@ -469,11 +470,11 @@ def test_an_operator_worker_of_another_release_after_start_is_waited_out_until_t
         operator.workers[0].kill()  # the operator's worker dies
         operator.workers[0].wait(15)
         old = operator.launch("--port", "0", P2PWORKER_HOOK="tests.hooks.old_release:install")
-        run_until([decode], lambda: decode.tier._attach_error is not None and "release" in decode.tier._attach_error)
-        assert decode.tier._fatal is None and not decode.tier._ready
+        run_until([decode], lambda: "release" in (decode.tier.supervisor.attach_error or ""))
+        assert decode.tier.supervisor.fatal is None and not decode.tier.supervisor.ready
         assert old.wait(30) == 0, "the refused operator's worker did not stop once its rings were closed"
         operator.launch("--port", "0")  # the right release
-        run_until([decode], lambda: decode.tier._ready)
+        run_until([decode], lambda: decode.tier.supervisor.ready)
         pd_exchange(decode, prefill, "kv-rel", [5, 6])
     finally:
         for e in (decode, prefill):
@@ -492,8 +493,8 @@ def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_p
         with eng.lock:
             eng.mgr.on_new_request(ctx)
         assert eng.lookup(ctx, [1]) == [LookupResult.RETRY]  # asked: batched for the next poll, not sent yet
-        eng.tier._config_error("test: a configuration error")
-        assert eng.tier._fatal is not None and eng.tier._client is None
+        eng.tier.supervisor.config_error("test: a configuration error")
+        assert eng.tier.supervisor.fatal is not None and eng.tier.supervisor.client is None
         assert not eng.tier.has_pending_work()  # the queued ask was answered (MISS) too, not kept forever
         with eng.lock:
             eng.mgr.on_request_finished(ctx)
@@ -528,12 +529,12 @@ def _kill_if_alive(pid: int | None) -> None:
 
 def _restarted(engine: Engine) -> int:
     """SIGKILL the engine's worker; step until the tier has spawned the next one (not ready yet).  Its pid."""
-    old = engine.tier._client.proc.pid
+    old = engine.tier.supervisor.client.proc.pid
     os.kill(old, signal.SIGKILL)
-    run_until([engine], lambda: engine.tier._client is not None and engine.tier._client.proc.pid != old,
-              timeout_s=15)
-    assert not engine.tier._ready, "the new worker was ready at once: the test's premise does not hold"
-    return engine.tier._client.proc.pid
+    sup = engine.tier.supervisor
+    run_until([engine], lambda: sup.client is not None and sup.client.proc.pid != old, timeout_s=15)
+    assert not engine.tier.supervisor.ready, "the new worker was ready at once: the test's premise does not hold"
+    return engine.tier.supervisor.client.proc.pid
 
 
 def pd_fetch(decode: Engine, prefill: Engine, req: str, kv: str, ids, address: str | None = None,
@@ -587,7 +588,7 @@ def test_a_restarted_producer_worker_becomes_ready_while_vllm_idles_and_a_late_f
     prefill.store("p-r1", [5], {"remote_decoder": {"kv_request_id": "kv-restart-1"}})  # worker not ready: fails
     assert prefill.tier.counters()["stores_failed"] == 1
     idle_steps(prefill)  # bounded: True only until the worker is ready
-    assert prefill.tier._ready, "vLLM stopped stepping before the restarted worker's Ready was read"
+    assert prefill.tier.supervisor.ready, "vLLM stopped stepping before the restarted worker's Ready was read"
     _, took, ok = pd_fetch(decode, prefill, "d-r1", "kv-restart-1", [5])
     assert took < 5.0, f"the fetch for a request the producer finished before its worker was ready took {took:.1f} s"
     assert not ok
@@ -600,13 +601,13 @@ def test_a_restarted_worker_that_never_says_ready_is_killed_after_start_timeout_
     then it is killed and the next one serves."""
     eng = Engine("stuck", free_port())
     try:
-        eng.tier._start_s = 3.0  # start_timeout_s, shortened for the restarts only (the first start is over)
+        eng.tier.supervisor.start_s = 3.0  # start_timeout_s, shortened for the restarts only (the first start is over)
         stuck = _restarted(eng)
         os.kill(stuck, signal.SIGSTOP)
         t0 = time.monotonic()
         idle_steps(eng, timeout_s=30)  # stepping while the stuck worker lives, then until the next one is ready
         took = time.monotonic() - t0
-        assert eng.tier._ready and eng.tier._client.proc.pid != stuck and eng.tier.restarts == 2
+        assert eng.tier.supervisor.ready and eng.tier.supervisor.client.proc.pid != stuck and eng.tier.restarts == 2
         assert took >= 3.0, f"killed after {took:.1f} s, before start_timeout_s"
         with pytest.raises(ProcessLookupError):
             os.kill(stuck, 0)  # reaped
@@ -637,7 +638,8 @@ def test_an_operator_worker_relaunched_while_vllm_idles_knows_the_requests_that_
         assert prefill.tier.worker_address == address
         operator.workers[0].kill()  # the operator's worker dies
         operator.workers[0].wait(15)
-        run_until([prefill], lambda: prefill.tier._client is None, timeout_s=15)  # noticed; rings re-created later
+        # noticed; rings re-created later
+        run_until([prefill], lambda: prefill.tier.supervisor.client is None, timeout_s=15)
         many = 3 * REPLAY_IN_RING_MAX  # more than the ring holds until a worker reads it
         for i in range(many):
             ctx = ReqContext(req_id=f"p-gone-{i}", kv_transfer_params={"remote_decoder": {
@@ -645,8 +647,8 @@ def test_an_operator_worker_relaunched_while_vllm_idles_knows_the_requests_that_
             with prefill.lock:
                 prefill.mgr.on_new_request(ctx)
                 prefill.mgr.on_request_finished(ctx)
-        assert prefill.tier._client is None, "the rings were re-created before the requests finished"
-        run_until([prefill], lambda: prefill.tier._client is not None, timeout_s=15)
+        assert prefill.tier.supervisor.client is None, "the rings were re-created before the requests finished"
+        run_until([prefill], lambda: prefill.tier.supervisor.client is not None, timeout_s=15)
         prefill.store("p-idle", [4], {"remote_decoder": {"kv_request_id": "kv-idle"}})  # not ready: store fails
         assert prefill.tier.counters()["stores_failed"] == 1
         assert idle_steps(prefill, timeout_s=5) <= 1  # nothing to step for: the AttachRegion waits for the operator
@@ -658,9 +660,9 @@ def test_an_operator_worker_relaunched_while_vllm_idles_knows_the_requests_that_
         for kv in ("kv-idle", f"kv-gone-{many - 1}"):
             _, took, ok = pd_fetch(decode, prefill, f"d-{kv}", kv, [4], address, producer_steps=False)
             assert took < 5.0 and not ok, f"the fetch for {kv}, finished before the relaunch, took {took:.1f} s"
-        assert not prefill.tier._ready  # the relaunched worker's Ready is still unread
+        assert not prefill.tier.supervisor.ready  # the relaunched worker's Ready is still unread
         idle_steps(prefill)  # the next request came: vLLM calls the tier, which reads the Ready
-        assert prefill.tier._ready
+        assert prefill.tier.supervisor.ready
         _, took, ok = pd_fetch(decode, prefill, "d-gone-0", "kv-gone-0", [3])
         assert took < 5.0 and not ok, f"the fetch for the oldest, which the ring had no room for, took {took:.1f} s"
         assert decode.tier.counters()["loads_failed"] == 3  # all MISS: vLLM recomputes
@@ -678,29 +680,29 @@ def test_a_wedged_worker_that_outlives_its_sigkill_is_killed_again_and_its_jobs_
     here: the signal never arrives) keeps its jobs open, since a job failed while it lives could let it write into
     rows vLLM reused.  It is killed again, and said in vLLM's log, every KILL_RETRY_S; new work fails at once
     meanwhile (it would only join the open jobs); once it is gone its jobs fail once and a new worker serves."""
-    import vllm_adapter.tier as tier_mod
+    import vllm_adapter.supervisor as supervisor_mod
     from p2pworker.client import WorkerClient
 
-    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 0.5)
+    monkeypatch.setattr(supervisor_mod, "KILL_RETRY_S", 0.5)
     eng = Engine("unk", free_port())
-    pid = eng.tier._client.proc.pid
+    pid = eng.tier.supervisor.client.proc.pid
     try:
-        stall, eng.tier._stall_s = eng.tier._stall_s, 1.0
+        stall, eng.tier.supervisor.stall_s = eng.tier.supervisor.stall_s, 1.0
         eng.store("p-unk", [1], {"remote_decoder": {"kv_request_id": "kv-unk"}})  # parked for a consumer: open
-        assert len(eng.tier._jobs) == 1
+        assert len(eng.tier.jobs.open) == 1
         kills, real_kill = [], WorkerClient.kill
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(time.monotonic()))
         os.kill(pid, signal.SIGSTOP)
         run_until([eng], lambda: len(kills) >= 3, timeout_s=20)
         assert kills[2] - kills[0] >= 2 * 0.5 * 0.9, "killed again before KILL_RETRY_S"
-        assert len(eng.tier._jobs) == 1 and eng.tier.counters()["stores_failed"] == 0  # open while it lives
+        assert len(eng.tier.jobs.open) == 1 and eng.tier.counters()["stores_failed"] == 0  # open while it lives
         assert "still alive" in caplog.text and "killing it again" in caplog.text
         eng.store("p-unk2", [2], {"remote_decoder": {"kv_request_id": "kv-unk2"}})  # not sent to it: fails now
-        assert len(eng.tier._jobs) == 1 and eng.tier.counters()["stores_failed"] == 1
-        eng.tier._stall_s = stall  # the next worker is judged as usual
+        assert len(eng.tier.jobs.open) == 1 and eng.tier.counters()["stores_failed"] == 1
+        eng.tier.supervisor.stall_s = stall  # the next worker is judged as usual
         monkeypatch.setattr(WorkerClient, "kill", real_kill)  # the next try reaches it
-        run_until([eng], lambda: eng.tier._ready and eng.tier._client.proc.pid != pid, timeout_s=20)
-        assert not eng.tier._jobs and eng.tier.counters()["stores_failed"] == 2  # failed once, once it was gone
+        run_until([eng], lambda: eng.tier.supervisor.ready and eng.tier.supervisor.client.proc.pid != pid, timeout_s=20)
+        assert not eng.tier.jobs.open and eng.tier.counters()["stores_failed"] == 2  # failed once, once it was gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     finally:
@@ -714,23 +716,24 @@ def test_a_worker_stuck_before_ready_that_outlives_its_sigkill_is_given_up(free_
     death: KILL_RETRY_S after the kill the tier gives it up, re-creates the rings and stops keeping vLLM stepping
     for it (before, has_pending_work stayed True for as long as that worker lived).  A Ready it sends after the
     kill is ignored.  The operator's next worker serves."""
-    import vllm_adapter.tier as tier_mod
+    import vllm_adapter.supervisor as supervisor_mod
     from p2pworker.client import WorkerClient
     from p2pworker.shm.ring import PeerStatus
 
-    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 1.0)
+    monkeypatch.setattr(supervisor_mod, "KILL_RETRY_S", 1.0)
     port = free_port()
     operator.launch("--host", "127.0.0.1", "--port", str(port))
     prefill = decode = None
     try:
         prefill = Engine("osp", free_port(), rings=operator.prefix, engine_extra=NO_POLL_THREAD)
         decode = Engine("osd", free_port())
-        prefill.tier._start_s = 2.0  # start_timeout_s, shortened for the restarts only
-        first = prefill.tier._client
+        prefill.tier.supervisor.start_s = 2.0  # start_timeout_s, shortened for the restarts only
+        first = prefill.tier.supervisor.client
         operator.workers[0].kill()
         operator.workers[0].wait(15)
-        run_until([prefill], lambda: prefill.tier._client not in (None, first), timeout_s=15)  # rings re-created
-        stuck_rings = prefill.tier._client
+        run_until([prefill], lambda: prefill.tier.supervisor.client not in (None, first),
+                  timeout_s=15)  # rings re-created
+        stuck_rings = prefill.tier.supervisor.client
         kills, real_kill = [], WorkerClient.kill
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # our SIGKILL does not reach it
         stuck = operator.launch("--host", "127.0.0.1", "--port", str(port),
@@ -747,14 +750,15 @@ def test_a_worker_stuck_before_ready_that_outlives_its_sigkill_is_given_up(free_
         assert stuck.poll() is None  # still alive: it is the operator's to stop
         assert "given up" in caplog.text
         assert prefill.tier.counters()["worker_deaths"] == 1  # the first one's; the given-up one lives
-        assert prefill.tier._client not in (None, stuck_rings) and not prefill.tier._ready  # rings re-created
-        assert prefill.tier._client.evt.peer_status() is PeerStatus.PENDING
-        prefill.tier._start_s = 120.0  # the next worker has the usual time to start
+        # rings re-created
+        assert prefill.tier.supervisor.client not in (None, stuck_rings) and not prefill.tier.supervisor.ready
+        assert prefill.tier.supervisor.client.evt.peer_status() is PeerStatus.PENDING
+        prefill.tier.supervisor.start_s = 120.0  # the next worker has the usual time to start
         monkeypatch.setattr(WorkerClient, "kill", real_kill)
         stuck.kill()  # the operator stops it and launches the next one
         stuck.wait(15)
         operator.launch("--host", "127.0.0.1", "--port", str(port))
-        run_until([prefill], lambda: prefill.tier._ready, timeout_s=60)
+        run_until([prefill], lambda: prefill.tier.supervisor.ready, timeout_s=60)
         pd_exchange(decode, prefill, "kv-after", [7])
     finally:
         for e in (decode, prefill):
@@ -766,31 +770,32 @@ def test_a_worker_stuck_before_ready_that_outlives_its_sigkill_is_given_up(free_
 def test_a_ready_after_our_sigkill_is_ignored(free_port, monkeypatch, caplog):
     """A worker we decided to kill (here: not ready within start_timeout_s) that says Ready before it dies is not
     taken for ready: no job goes to it, and it is given up or gone as any other."""
-    import vllm_adapter.tier as tier_mod
+    import vllm_adapter.supervisor as supervisor_mod
     from p2pworker.client import WorkerClient
 
-    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 60.0)
+    monkeypatch.setattr(supervisor_mod, "KILL_RETRY_S", 60.0)
     eng = Engine("late", free_port(), engine_extra=NO_POLL_THREAD)
     late = None
     try:
         late = _restarted(eng)
         os.kill(late, signal.SIGSTOP)
-        eng.tier._start_s = 0.5
+        eng.tier.supervisor.start_s = 0.5
         kills = []
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # the kill is slow to arrive
         run_until([eng], lambda: kills, timeout_s=15)
-        eng.tier._start_s = 120.0  # the next worker has the usual time to start
+        eng.tier.supervisor.start_s = 120.0  # the next worker has the usual time to start
         os.kill(late, signal.SIGCONT)  # it runs on and says Ready
         deadline = time.monotonic() + 15
         while "said Ready after our SIGKILL" not in caplog.text:
             assert time.monotonic() < deadline, "its Ready never came"
             eng.step()
             time.sleep(0.01)
-        assert not eng.tier._ready
+        assert not eng.tier.supervisor.ready
         eng.store("p-late", [2], {"remote_decoder": {"kv_request_id": "kv-late"}})
         assert eng.tier.counters()["stores_failed"] == 1  # not sent to it
         os.kill(late, signal.SIGKILL)  # the kill arrives
-        run_until([eng], lambda: eng.tier._ready and eng.tier._client.proc.pid != late, timeout_s=30)
+        run_until([eng], lambda: eng.tier.supervisor.ready and eng.tier.supervisor.client.proc.pid != late,
+                  timeout_s=30)
     finally:
         _kill_if_alive(late)
         eng.close()
@@ -803,26 +808,27 @@ def test_jobs_of_a_worker_ended_for_an_error_fail_only_once_it_is_gone(free_port
     from p2pworker.client import WorkerClient
 
     eng = Engine("errjobs", free_port(), engine_extra=NO_POLL_THREAD)
-    pid = eng.tier._client.proc.pid
+    pid = eng.tier.supervisor.client.proc.pid
     try:
         eng.store("p-open", [1], {"remote_decoder": {"kv_request_id": "kv-open"}})
-        run_until([eng], lambda: not eng.tier._outbox and eng.tier._client.cmd.pending_bytes == 0)  # in the worker
-        assert eng.tier._jobs
+        # in the worker
+        run_until([eng], lambda: not eng.tier.outbox.commands and eng.tier.supervisor.client.cmd.pending_bytes == 0)
+        assert eng.tier.jobs.open
         failed = eng.tier.counters()["stores_failed"]
         kills, real_kill = [], WorkerClient.kill
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # its death is slow to come
-        eng.tier._config_error("test: a configuration error while jobs are open")
+        eng.tier.supervisor.config_error("test: a configuration error while jobs are open")
         for _ in range(50):
             eng.step()
-        assert kills and eng.tier._jobs and eng.tier.counters()["stores_failed"] == failed, "failed while it ran"
+        assert kills and eng.tier.jobs.open and eng.tier.counters()["stores_failed"] == failed, "failed while it ran"
         assert eng.tier.has_pending_work()
         monkeypatch.setattr(WorkerClient, "kill", real_kill)
         os.kill(pid, signal.SIGKILL)  # it dies
-        run_until([eng], lambda: eng.tier._client is None, timeout_s=10)
-        assert not eng.tier._jobs and eng.tier.counters()["stores_failed"] == failed + 1  # once
+        run_until([eng], lambda: eng.tier.supervisor.client is None, timeout_s=10)
+        assert not eng.tier.jobs.open and eng.tier.counters()["stores_failed"] == failed + 1  # once
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # reaped before its jobs were failed
-        assert eng.tier._fatal is not None  # and not restarted: vLLM stops stepping for it
+        assert eng.tier.supervisor.fatal is not None  # and not restarted: vLLM stops stepping for it
         run_until([eng], lambda: not eng.tier.has_pending_work(), timeout_s=10)
     finally:
         _kill_if_alive(pid)
@@ -845,7 +851,7 @@ def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vll
         monkeypatch.setenv("P2PWORKER_HOOK", "tests.hooks.failed_attach_stuck:install")
         monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[2]))
         stuck = _restarted(eng)
-        admin = eng.tier._client.admin_path
+        admin = eng.tier.supervisor.client.admin_path
         monkeypatch.delenv("P2PWORKER_HOOK")  # only this worker is stuck: the next one starts as usual
         kills = []
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))  # our SIGKILL does not reach it
@@ -854,7 +860,7 @@ def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vll
 
         def steps() -> None:  # vLLM's scheduler thread, until the tier has given the worker up
             deadline = time.monotonic() + 60
-            while not eng.tier._abandoned and time.monotonic() < deadline:
+            while not eng.tier.supervisor.abandoned and time.monotonic() < deadline:
                 in_step[0] = time.monotonic()
                 eng.step()
                 in_step[0] = None
@@ -873,14 +879,14 @@ def test_a_worker_that_cannot_attach_and_outlives_its_sigkill_does_not_block_vll
             stepping.join(15)
         assert not blocked, "vLLM's scheduler thread waited for a worker that did not die"
         assert "could not attach the region: AttachRegion: test hook" in caplog.text
-        assert kills and eng.tier._abandoned[0].proc.pid == stuck
+        assert kills and eng.tier.supervisor.abandoned[0].proc.pid == stuck
         os.kill(stuck, 0)  # still alive: given up, not waited for
         assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
         assert eng.tier.counters()["worker_deaths"] == 2  # the SIGKILLed one, and this one (it will not serve)
-        run_until([eng], lambda: eng.tier._ready, timeout_s=30)  # the next one serves (backoff 1 s, then 2 s)
-        assert eng.tier._client.proc.pid != stuck and eng.tier._abandoned
+        run_until([eng], lambda: eng.tier.supervisor.ready, timeout_s=30)  # the next one serves (backoff 1 s, then 2 s)
+        assert eng.tier.supervisor.client.proc.pid != stuck and eng.tier.supervisor.abandoned
         os.kill(stuck, signal.SIGKILL)  # it dies at last
-        run_until([eng], lambda: not eng.tier._abandoned, timeout_s=10)
+        run_until([eng], lambda: not eng.tier.supervisor.abandoned, timeout_s=10)
         with pytest.raises(ProcessLookupError):
             os.kill(stuck, 0)  # reaped: no zombie left
     finally:
@@ -895,34 +901,34 @@ def test_a_worker_without_jobs_that_outlives_its_sigkill_is_given_up_without_blo
     for it (vLLM's scheduler thread must not block on a process that does not die) and the next one serves.  When
     it dies at last, the tier reaps it (no zombie); the admin socket it could not remove goes when it is given up.
     From the kill until then, the tier says it has work (vLLM 0.32 calls it only then)."""
-    import vllm_adapter.tier as tier_mod
+    import vllm_adapter.supervisor as supervisor_mod
     from p2pworker.client import WorkerClient
 
-    monkeypatch.setattr(tier_mod, "KILL_RETRY_S", 1.0)
+    monkeypatch.setattr(supervisor_mod, "KILL_RETRY_S", 1.0)
     eng = Engine("gone", free_port(), engine_extra=NO_POLL_THREAD)
-    stuck = eng.tier._client.proc.pid
-    admin = eng.tier._client.admin_path
+    stuck = eng.tier.supervisor.client.proc.pid
+    admin = eng.tier.supervisor.client.admin_path
     try:
-        stall, eng.tier._stall_s = eng.tier._stall_s, 1.0
+        stall, eng.tier.supervisor.stall_s = eng.tier.supervisor.stall_s, 1.0
         kills, real_kill = [], WorkerClient.kill
         monkeypatch.setattr(WorkerClient, "kill", lambda self: kills.append(self))
         os.kill(stuck, signal.SIGSTOP)
         run_until([eng], lambda: kills, timeout_s=20)
-        assert not eng.tier._jobs and eng.tier.has_pending_work()  # an idle 0.32 engine steps until it is settled
+        assert not eng.tier.jobs.open and eng.tier.has_pending_work()  # an idle 0.32 engine steps until it is settled
         run_until([eng], lambda: "given up" in caplog.text, timeout_s=20)
-        eng.tier._stall_s = stall
+        eng.tier.supervisor.stall_s = stall
         monkeypatch.setattr(WorkerClient, "kill", real_kill)
         assert kills and eng.tier.counters()["worker_deaths"] == 0  # given up alive, not dead
         os.kill(stuck, 0)  # still alive: given up, not waited for
         assert not os.path.exists(admin), "the given-up worker's admin socket was left behind"
-        assert eng.tier._abandoned
+        assert eng.tier.supervisor.abandoned
         # The next worker cannot bind the port the stuck one holds (attach errors, retried after the backoff)
         os.kill(stuck, signal.SIGKILL)  # until it dies at last
-        run_until([eng], lambda: not eng.tier._abandoned, timeout_s=10)
+        run_until([eng], lambda: not eng.tier.supervisor.abandoned, timeout_s=10)
         with pytest.raises(ProcessLookupError):
             os.kill(stuck, 0)  # reaped: no zombie left
-        run_until([eng], lambda: eng.tier._ready, timeout_s=60)  # within the restart backoff (30 s at most)
-        assert eng.tier._client.proc.pid != stuck
+        run_until([eng], lambda: eng.tier.supervisor.ready, timeout_s=60)  # within the restart backoff (30 s at most)
+        assert eng.tier.supervisor.client.proc.pid != stuck
     finally:
         _kill_if_alive(stuck)
         eng.close()

@@ -1,0 +1,156 @@
+"""JobBook: the store and load jobs vLLM submitted that the worker has not reported yet, each reported exactly once.
+
+A job is opened and its command queued in one place (``submit``); one the worker cannot take fails at once, through
+the same path as a failure the worker reports.  When the worker is gone every open job fails once (``fail_all``); a
+job is never failed while its worker may still run (the supervisor calls ``fail_all`` only then: invariant 7)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+
+from p2pworker import api
+from vllm_adapter.metrics import Counts
+from vllm_adapter.outbox import Outbox
+
+log = logging.getLogger("vllm_adapter.tier")
+
+# vLLM drains for shutdown (its engine core's shutdown_state): parked stores no consumer is reading end at once, and
+# again this often while jobs are open (a request still finishing in the drain parks afresh; its consumer had this
+# long to fetch it).  Without it every stop waits out --shutdown-timeout and ends in a kill (invariant 6).
+STOP_RESET_S = 2.0
+
+
+class JobKind(enum.Enum):
+    LOAD = "load"  # peer -> our rows (a PD or symmetric consumer)
+    STORE = "store"  # our rows offered to peers (a producer, or serving a symmetric lookup)
+
+
+@dataclass(frozen=True)
+class OpenJob:
+    """A job vLLM submitted that the worker has not reported yet."""
+
+    kind: JobKind
+    keys: list[bytes]
+    kv_request_id: str
+    t0: float  # monotonic, at submit
+
+
+class JobBook:
+    def __init__(self, name: str, outbox: Outbox, counts: Counts):
+        self.open: dict[int, OpenJob] = {}  # submitted to the worker, not yet reported to vLLM
+        self.results: list[JobResult] = []  # reported by the worker (or failed here), not yet handed to vLLM
+        self.failed_req_ids: set[str] = set()  # requests whose load failed: their lookups MISS
+        self._name, self._outbox, self._counts = name, outbox, counts
+        self._stop_reset_at: float | None = None  # vLLM is draining for shutdown: the next ResetCache then
+
+    @property
+    def pending(self) -> bool:
+        """Jobs open, or results vLLM has not taken yet."""
+        return bool(self.open or self.results)
+
+    def take_results(self) -> list[JobResult]:
+        out, self.results = self.results, []
+        return out
+
+    def submit(self, kind: JobKind, job: TransferJob, kv_request_id: str, refused: str, *, address: str = "",
+               send: bool = True, now: float | None = None) -> bool:
+        """Open ``job`` and queue its command; a job the worker cannot take (past the key limit, ``send`` False, no
+        serving worker) fails now with ``refused`` as its reason.  True: queued."""
+        keys = list(job.keys)  # OffloadKey is bytes
+        self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, time.monotonic() if now is None else now)
+        if len(keys) > api.MAX_JOB_KEYS:
+            self.finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
+            return False
+        if not send or not self._outbox.send(_command(kind, job.job_id, kv_request_id, address, keys, job.chunk_ids)):
+            self.finish(job.job_id, False, None, 0.0, None, refused)
+            return False
+        return True
+
+    def skip(self, job_id: int) -> None:
+        """A store with nothing to keep for peers: reported done without a worker."""
+        self.results.append(JobResult(job_id, True))
+
+    def report(self, ev: api.JobFinished) -> None:
+        """The worker's report of a job."""
+        if ev.job_id not in self.open:
+            log.error("worker reported unknown job %d; ignored", ev.job_id)
+            return
+        self.finish(ev.job_id, ev.success, ev.keys, ev.seconds, ev.nbytes, ev.reason)
+
+    def finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
+        job = self.open.pop(job_id)
+        job_keys, rid = job.keys, job.kv_request_id
+        if job.kind is JobKind.LOAD:
+            if success:
+                landed = job_keys  # success: every key moved (the worker does not echo them)
+            else:
+                asked = set(job_keys)
+                landed = [k for k in (keys or []) if k in asked]
+            self.results.append(JobResult(job_id, success, successful_keys=landed, transfer_time=seconds,
+                                          transfer_bytes=nbytes))
+            if not success:
+                self.failed_req_ids.add(rid)  # later lookups MISS: vLLM recomputes, no re-promotion loop
+                log.warning("load for %s failed (%s); recomputing", rid, reason or "worker gone")
+            if success:
+                self._counts.loads_ok += 1
+            else:
+                self._counts.loads_failed += 1
+        else:
+            self.results.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=nbytes))
+            if success:
+                self._counts.stores_ok += 1
+            else:
+                self._counts.stores_failed += 1
+
+    def fail_all(self) -> None:
+        """The worker is gone: every open job fails, once."""
+        now = time.monotonic()
+        for job_id, job in list(self.open.items()):
+            self.finish(job_id, False, None, now - job.t0, None)
+
+    def refuse(self, cmd: api.Command, why: str) -> bool:
+        """A job command the ring cannot carry: its job ends now.  False: not an open job's command."""
+        if isinstance(cmd, (api.StoreJob, api.LoadJob)) and cmd.job_id in self.open:
+            self.finish(cmd.job_id, False, None, 0.0, None, why)
+            return True
+        return False
+
+    def end_parked_for_stop(self, engine: Any) -> None:
+        """vLLM drains for shutdown: our open jobs keep it stepping until --shutdown-timeout, then it kills the engine
+        and leaves the region file behind.  The worker ends the parked stores no consumer is reading (a lease holds
+        its rows until the consumer's Release or the lease's end: invariant 7), now and every STOP_RESET_S while
+        jobs are open; loads go on (their requests finish in the drain)."""
+        now = time.monotonic()
+        if self._stop_reset_at is not None and now < self._stop_reset_at:
+            return
+        if self._stop_reset_at is None:
+            log.info("vLLM is shutting down: ending the %d parked store(s) of p2pworker %s that no consumer is "
+                     "reading", sum(j.kind is JobKind.STORE for j in self.open.values()), self._name)
+        self._stop_reset_at = now + STOP_RESET_S
+        # loads go on in a drain (their requests still finish); in abort mode (--shutdown-timeout 0) vLLM aborted
+        # every request, so they are cancelled too
+        if self._outbox.send(api.ResetCache("vLLM is shutting down", loads=engine.aborting())):
+            self._outbox.flush()
+
+
+def _command(kind: JobKind, job_id: int, kv_request_id: str, address: str, keys: list[bytes], chunk_ids) -> api.Command:
+    if kind is JobKind.LOAD:
+        return api.LoadJob(job_id, address, kv_request_id, keys, _rows(chunk_ids))
+    return api.StoreJob(job_id, kv_request_id, keys, _rows(chunk_ids))
+
+
+def _too_many(n: int) -> str:
+    return (f"job of {n} keys exceeds p2pworker's hard limit of {api.MAX_JOB_KEYS} keys per job "
+            f"(p2pworker.limits.MAX_JOB_KEYS)")
+
+
+def _rows(chunk_ids) -> list[int]:
+    return np.asarray(chunk_ids).tolist()  # one C call (vs ~0.2 us per row in a comprehension)

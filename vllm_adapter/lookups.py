@@ -1,0 +1,139 @@
+"""Symmetric lookups, both sides.
+
+``AskedLookups`` (the asker, ``remote_kv_source``): a request's lookups are asked of the peer key by key, batched
+into one LookupKeys per request and peer at the next poll; each answers RETRY until the peer's answer arrives, then
+HIT or MISS.  Kept per kv_request_id, so a finished request is forgotten in time linear in its own keys.
+
+``PeerLookups`` (the source): peers' lookups are answered in ``serve_external_requests``: vLLM is asked
+(``parent.lookup``), the hits pinned (``parent.create_store_job``) and parked under the asker's ``kv_request_id``,
+which its ``submit_load`` then fetches like a PD load.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+from p2pworker import api
+from vllm_adapter.jobs import JobBook, JobKind
+from vllm_adapter.outbox import Outbox
+
+log = logging.getLogger("vllm_adapter.tier")
+
+
+class AskedLookups:
+    def __init__(self, outbox: Outbox):
+        self._outbox = outbox
+        self._answers: dict[str, dict[bytes, bool]] = {}  # key -> the peer holds it
+        self._asked: dict[str, set[bytes]] = {}  # keys asked, no answer yet (present while the request lives)
+        self._asking: dict[tuple[str, str], list[bytes]] = {}  # (address, kv_request_id) -> keys to ask
+        self._lookups: dict[int, tuple[str, list[bytes]]] = {}  # lookup id -> (kv_request_id, keys)
+        self._next_lookup = 1
+
+    @property
+    def pending(self) -> bool:
+        """Keys to ask, or asked and not answered."""
+        return bool(self._asking or self._lookups)
+
+    def lookup(self, address: str, rid: str, key) -> LookupResult:
+        """The peer's answer for ``key``; RETRY while it is asked (batched at the next poll)."""
+        k = bytes(key)
+        answers = self._answers.get(rid)
+        answer = answers.get(k) if answers is not None else None
+        if answer is None:
+            asked = self._asked.get(rid)
+            if asked is None:
+                asked = self._asked[rid] = set()
+            if k not in asked:
+                asked.add(k)
+                self._asking.setdefault((address, rid), []).append(k)
+            return LookupResult.RETRY  # asked (batched at the next poll); HIT or MISS once the peer answers
+        return LookupResult.HIT if answer else LookupResult.MISS
+
+    def forget(self, rid: str) -> None:
+        """The request finished."""
+        self._answers.pop(rid, None)
+        self._asked.pop(rid, None)
+
+    def send_asks(self) -> None:
+        for (address, rid), asking in list(self._asking.items()):  # one batched lookup per request and peer
+            del self._asking[(address, rid)]
+            for i in range(0, len(asking), api.MAX_JOB_KEYS):  # more than the hard limit: several lookups
+                keys = asking[i:i + api.MAX_JOB_KEYS]
+                lookup_id = self._next_lookup
+                self._next_lookup += 1
+                self._lookups[lookup_id] = (rid, keys)
+                if not self._outbox.send(api.LookupKeys(lookup_id, address, rid, keys)):
+                    del self._lookups[lookup_id]
+                    self._answer(rid, keys, None)
+
+    def on_result(self, ev: api.LookupResult) -> None:
+        rid, keys = self._lookups.pop(ev.lookup_id, ("", []))
+        self._answer(rid, keys, ev.present)
+
+    def miss_all(self) -> None:
+        """The worker is gone: every lookup asked or still to ask answers MISS."""
+        for rid, keys in self._lookups.values():
+            self._answer(rid, keys, None)
+        self._lookups.clear()
+        for (_, rid), keys in self._asking.items():  # asked, not sent yet: MISS as well (a tier that stops
+            self._answer(rid, keys, None)           # restarting would otherwise hold them, and vLLM step, forever)
+        self._asking.clear()
+
+    def refuse(self, cmd: api.Command) -> bool:
+        """A LookupKeys the ring cannot carry: MISS now.  False: not an open lookup's command."""
+        if isinstance(cmd, api.LookupKeys) and cmd.lookup_id in self._lookups:
+            rid, keys = self._lookups.pop(cmd.lookup_id)
+            self._answer(rid, keys, None)
+            return True
+        return False
+
+    def _answer(self, rid: str, keys: list[bytes], present: list[bool] | None) -> None:
+        """Record a peer's answer (None: it could not answer, so MISS).  Late answers for a finished request
+        are dropped (nothing would ever forget them)."""
+        asked = self._asked.get(rid)
+        if asked is None:
+            return
+        answers = self._answers.setdefault(rid, {})
+        for k, p in zip(keys, present if present is not None else [False] * len(keys)):
+            answers[k] = bool(p)
+            asked.discard(k)
+
+
+class PeerLookups:
+    def __init__(self, book: JobBook, outbox: Outbox):
+        self.queue: list[api.PeerLookup] = []
+        self._book, self._outbox = book, outbox
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+    def serve(self, parent, stopping: bool) -> None:
+        """Answer the queued lookups: pin our hits through vLLM and park them under the asker's request id."""
+        queue, self.queue = self.queue, []
+        if stopping:
+            # vLLM drains for shutdown: a store pinned now for a peer would hold the drain up (and a source is
+            # asked all the time in llm-d's aggregated sharing); the peer recomputes instead
+            for ev in queue:
+                self._outbox.send(api.AnswerLookup(ev.peer_id, ev.lookup_id, [False] * len(ev.keys)))
+            return
+        for ev in queue:
+            self._serve(parent, ev)
+
+    def _serve(self, parent, ev: api.PeerLookup) -> None:
+        ctx = ReqContext(req_id=f"p2pw:{ev.peer_id}:{ev.request_id}:{ev.lookup_id}", kv_transfer_params=None)
+        parent.on_new_request(ctx)
+        try:
+            hits = [k for k in ev.keys if parent.lookup(k, ctx) is LookupResult.HIT]
+            if hits:
+                job = parent.create_store_job(hits, ctx)  # pins the rows; reported by our get_finished_jobs
+                if self._book.submit(JobKind.STORE, job, ev.request_id, "worker not ready"):
+                    self._outbox.send(api.RequestFinished(ev.request_id))  # nothing more for this lookup
+                else:
+                    hits = []
+            held = set(hits)
+            self._outbox.send(api.AnswerLookup(ev.peer_id, ev.lookup_id, [k in held for k in ev.keys]))
+        finally:
+            parent.on_request_finished(ctx)
