@@ -31,6 +31,15 @@ def rec(tag, *info):
 
 
 def install(w):
+    """The worker hook: every wrap below, in the worker process only."""
+    _trace_messages()
+    _trace_control()
+    _trace_data()
+    _trace_commands(w)
+    _trace_sleep_and_events(w)
+
+
+def _trace_messages():
     enc0 = amod.encode
 
     def enc(msg):
@@ -39,6 +48,16 @@ def install(w):
     amod.encode = enc  # a session's messages (actions.py) and the LaneUp of a lane switch (lane_host.py)
     lhmod.encode = enc
 
+    dec0 = m.decode
+
+    def dec(frame):
+        msg = dec0(frame)
+        rec("dec", type(msg).__name__, getattr(msg, "request_id", "-"))
+        return msg
+    m.decode = dec
+
+
+def _trace_control():
     send0 = zmq_control.ZmqControl.send
 
     def send(self, link, payload):
@@ -75,14 +94,8 @@ def install(w):
         return out
     zmq_control.ZmqControl.poll = poll
 
-    dec0 = m.decode
 
-    def dec(frame):
-        msg = dec0(frame)
-        rec("dec", type(msg).__name__, getattr(msg, "request_id", "-"))
-        return msg
-    m.decode = dec
-
+def _trace_data():
     cp0 = samehost.Copier.copy
 
     def copy(self, source, runs):
@@ -115,6 +128,8 @@ def install(w):
         return r
     pieces.PieceTransport.read_blocks = read_blocks
 
+
+def _trace_commands(w):
     rr0 = w.runner.read_result
 
     def read_result(tid, ok, reason):
@@ -129,6 +144,8 @@ def install(w):
         return h0(cmd)
     w.commands.handle = handle
 
+
+def _trace_sleep_and_events(w):
     pt0 = wmod.poll_timeout_s
 
     def poll_timeout_s(*a, **k):

@@ -104,71 +104,108 @@ def outcomes(events: list) -> dict[int, tuple[bool, frozenset, int, str]]:
     return {e.job_id: (e.success, frozenset(e.keys), e.nbytes, e.reason) for e in events if isinstance(e, JobDone)}
 
 
+class _RandomRun:
+    """One random run against the lot and the reference: each method is one kind of step, drawing from ``rnd`` in
+    the order the run always has (the same seed replays the same run)."""
+
+    def __init__(self, rnd: random.Random) -> None:
+        self.rnd = rnd
+        self.universe = [b"k%d" % i for i in range(rnd.choice((6, 24, 80)))]
+        self.reporter = Reporter()
+        self.lot = ParkingLot(self.reporter, lambda: 0.0, block_bytes=BLOCK)
+        self.ref = Reference()
+        self.job, self.rows = 0, iter(range(1 << 20))
+        self.offered: list[bytes] = []
+
+    def store(self, p) -> None:
+        rnd = self.rnd
+        self.job += 1
+        keys = rnd.sample(self.universe, rnd.randint(1, min(rnd.choice((2, 3, 10)), len(self.universe))))
+        if rnd.random() < 0.2:
+            keys += rnd.sample(keys, 1)  # a key twice in one job: the first copy serves both
+        leased = p is not None and p.lease is not None
+        self.lot.store(self.job, "r", keys, [next(self.rows) for _ in keys])
+        self.ref.store(self.job, keys, leased)
+
+    def bind(self, p, step: int) -> None:
+        self.offered = self.rnd.sample(sorted(p.rows), self.rnd.randint(1, len(p.rows)))
+        self.lot.bind(p, Lease(step, None, {}, 1e9, 1e9, offered={k: p.rows[k] for k in self.offered}))
+
+    def release(self, p) -> None:
+        rnd = self.rnd
+        read = rnd.sample(self.offered, rnd.randint(0, len(self.offered)))
+        if rnd.random() < 0.2 and read:
+            read += read[:1]  # a Release that names a key twice (across its parts)
+        if rnd.random() < 0.2:  # keys never offered (parked or not) count for nothing
+            read += rnd.sample(self.universe, 2)
+        self.lot.release(p, read, "consumer did not read it")
+        self.ref.release(self.offered, set(read), "consumer did not read it")
+
+    def consumer_done(self, p) -> None:  # the consumer's request ended (Done)
+        self.lot.consumer_done("r")
+        self.ref.consumer_done(p.lease is not None)
+
+    def request_finished(self, p) -> None:
+        self.lot.request_finished("r")
+        if p.lease is None:
+            self.ref.finish()
+        else:
+            self.ref.finished = True  # the lot closes the rest when the lease ends
+
+    def reset(self, p) -> None:  # the tier's drain_jobs (vLLM's reset_cache)
+        leased = p.lease is not None
+        self.lot.reset("vLLM reset its cache")
+        self.ref.reset(leased, "vLLM reset its cache")
+
+    def check(self) -> None:
+        got = outcomes(self.reporter.events)
+        assert got == self.ref.done
+        p = self.lot.parcels.get("r")
+        if p is not None and p.lease is not None:  # offered rows stay pinned: their jobs are open, unreported
+            for k in p.lease.offered:
+                assert p.job_of.get(k) in p.jobs and p.job_of[k] not in got, k
+
+    def end(self) -> None:
+        """The end: the consumer reads all it was offered, the request ends; never-fetched keys get a last round."""
+        lot, ref = self.lot, self.ref
+        p = lot.parcels.get("r")
+        if p is not None and p.lease is not None:
+            lot.release(p, list(self.offered), "unread")
+            ref.release(self.offered, set(self.offered), "unread")
+        lot.request_finished("r")
+        ref.finish()
+        p = lot.parcels.get("r")
+        if p is not None and p.rows:  # never fetched: a last round offers and reads every parked key
+            offered = sorted(p.rows)
+            lot.bind(p, Lease(-1, None, {}, 1e9, 1e9, offered={k: p.rows[k] for k in offered}))
+            lot.release(p, offered, "unread")
+            ref.release(offered, set(offered), "unread")
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_release_and_store_match_the_key_by_key_rules(seed):
     rnd = random.Random(seed)
-    universe = [b"k%d" % i for i in range(rnd.choice((6, 24, 80)))]
-    reporter = Reporter()
-    lot = ParkingLot(reporter, lambda: 0.0, block_bytes=BLOCK)
-    ref = Reference()
-    job, rows = 0, iter(range(1 << 20))
-    offered: list[bytes] = []
+    run = _RandomRun(rnd)
     for step in range(rnd.randint(1, 60)):
-        p = lot.parcels.get("r")
+        p = run.lot.parcels.get("r")
         act = rnd.random()
         if act < 0.55 or p is None:
-            job += 1
-            keys = rnd.sample(universe, rnd.randint(1, min(rnd.choice((2, 3, 10)), len(universe))))
-            if rnd.random() < 0.2:
-                keys += rnd.sample(keys, 1)  # a key twice in one job: the first copy serves both
-            leased = p is not None and p.lease is not None
-            lot.store(job, "r", keys, [next(rows) for _ in keys])
-            ref.store(job, keys, leased)
+            run.store(p)
         elif act < 0.7 and p.lease is None and p.rows:
-            offered = rnd.sample(sorted(p.rows), rnd.randint(1, len(p.rows)))
-            lot.bind(p, Lease(step, None, {}, 1e9, 1e9, offered={k: p.rows[k] for k in offered}))
+            run.bind(p, step)
         elif act < 0.9 and p.lease is not None:
-            read = rnd.sample(offered, rnd.randint(0, len(offered)))
-            if rnd.random() < 0.2 and read:
-                read += read[:1]  # a Release that names a key twice (across its parts)
-            if rnd.random() < 0.2:  # keys never offered (parked or not) count for nothing
-                read += rnd.sample(universe, 2)
-            lot.release(p, read, "consumer did not read it")
-            ref.release(offered, set(read), "consumer did not read it")
-        elif act < 0.93:  # the consumer's request ended (Done)
-            lot.consumer_done("r")
-            ref.consumer_done(p.lease is not None)
+            run.release(p)
+        elif act < 0.93:
+            run.consumer_done(p)
         elif act < 0.96:
-            lot.request_finished("r")
-            if p.lease is None:
-                ref.finish()
-            else:
-                ref.finished = True  # the lot closes the rest when the lease ends
-        else:  # the tier's drain_jobs (vLLM's reset_cache)
-            leased = p.lease is not None
-            lot.reset("vLLM reset its cache")
-            ref.reset(leased, "vLLM reset its cache")
-        got = outcomes(reporter.events)
-        assert got == ref.done
-        p = lot.parcels.get("r")
-        if p is not None and p.lease is not None:  # offered rows stay pinned: their jobs are open, unreported
-            for k in p.lease.offered:
-                assert p.job_of.get(k) in p.jobs and p.job_of[k] not in got, k
-    p = lot.parcels.get("r")
-    if p is not None and p.lease is not None:  # the end: the consumer reads all it was offered, the request ends
-        lot.release(p, list(offered), "unread")
-        ref.release(offered, set(offered), "unread")
-    lot.request_finished("r")
-    ref.finish()
-    p = lot.parcels.get("r")
-    if p is not None and p.rows:  # never fetched: a last round offers and reads every parked key
-        offered = sorted(p.rows)
-        lot.bind(p, Lease(-1, None, {}, 1e9, 1e9, offered={k: p.rows[k] for k in offered}))
-        lot.release(p, offered, "unread")
-        ref.release(offered, set(offered), "unread")
-    assert outcomes(reporter.events) == ref.done
-    assert reporter.open_jobs == 0 and sorted(ref.done) == list(range(1, job + 1))  # every job, exactly once
+            run.request_finished(p)
+        else:
+            run.reset(p)
+        run.check()
+    run.end()
+    assert outcomes(run.reporter.events) == run.ref.done
+    assert run.reporter.open_jobs == 0 and sorted(run.ref.done) == list(range(1, run.job + 1))  # every job, once
 
 
 def test_a_job_fetched_one_key_per_round_costs_what_the_rounds_move():

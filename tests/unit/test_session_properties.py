@@ -111,54 +111,71 @@ class Model:
         return rows
 
     def step(self, o) -> None:
-        p, kind = self.p, o[0]
-        a, b = p.a, p.b
-        if kind == "store":
-            rows = self.take(self.free_b, len(o[2]))
-            if rows is not None:
-                j = self.job()
-                self.stores[j] = rows
-                b.store(j, o[1], o[2], rows)
-        elif kind == "load":
-            rows = self.take(self.free_a, len(o[2]))
-            if rows is not None:
-                j = self.job()
-                self.loads[j] = dict(zip(o[2], rows))
-                for r in rows:
-                    self.row_owner[r] = j
-                a.load(j, o[1], o[2], rows)
-        elif kind == "finish":
-            b.finish(o[1])
-        elif kind == "done":
-            a.done(o[1])
-        elif kind == "drain":
-            b.reset("vLLM is shutting down", loads=o[1])
-        elif kind == "lookup":
-            a.lookup(self.next_lookup, o[1], "r0")
-            self.next_lookup += 1
-        elif kind == "deliver":
-            p.deliver(o[1])
-        elif self.same_host and kind in ("copy", "settle") and a.data.reads:
-            self.same_host_poll(o)
-        elif kind == "copy" and a.data.reads:
-            tids = sorted(a.data.reads)
-            a.copy(tids[o[1] % len(tids)], b, o[2])  # lands whatever the sessions think: the check decides
-        elif kind == "settle" and a.data.reads:
-            tids = sorted(a.data.reads)
-            a.settle(tids[o[1] % len(tids)], o[2])
-        elif kind == "submit_fail":
-            a.data.fail_submit = o[1]
-        elif kind == "advance":
-            p.advance(o[1])
-        elif kind == "tick":
-            self.tick(o[1])
-        elif kind == "answer":
-            for side in (a, b):
-                for lookup_id, n in list(side.session._serving.items()):
-                    side.answer(lookup_id, [True] * n)
-        elif kind == "reconnect":
-            self.reconnect(o[1])
+        op = self._OPS.get(o[0])
+        if op is not None:
+            op(self, o)
         self.check()
+
+    # One per kind of op: what the worker (or vLLM, or the network) does to the pair.
+    def _store(self, o) -> None:
+        rows = self.take(self.free_b, len(o[2]))
+        if rows is not None:
+            j = self.job()
+            self.stores[j] = rows
+            self.p.b.store(j, o[1], o[2], rows)
+
+    def _load(self, o) -> None:
+        rows = self.take(self.free_a, len(o[2]))
+        if rows is not None:
+            j = self.job()
+            self.loads[j] = dict(zip(o[2], rows))
+            for r in rows:
+                self.row_owner[r] = j
+            self.p.a.load(j, o[1], o[2], rows)
+
+    def _lookup(self, o) -> None:
+        self.p.a.lookup(self.next_lookup, o[1], "r0")
+        self.next_lookup += 1
+
+    def _copy(self, o) -> None:
+        a = self.p.a
+        if not a.data.reads:
+            return
+        if self.same_host:
+            self.same_host_poll(o)
+            return
+        tids = sorted(a.data.reads)
+        a.copy(tids[o[1] % len(tids)], self.p.b, o[2])  # lands whatever the sessions think: the check decides
+
+    def _settle(self, o) -> None:
+        a = self.p.a
+        if not a.data.reads:
+            return
+        if self.same_host:
+            self.same_host_poll(o)
+            return
+        tids = sorted(a.data.reads)
+        a.settle(tids[o[1] % len(tids)], o[2])
+
+    def _submit_fail(self, o) -> None:
+        self.p.a.data.fail_submit = o[1]
+
+    def _answer(self, o) -> None:
+        for side in (self.p.a, self.p.b):
+            for lookup_id, n in list(side.session._serving.items()):
+                side.answer(lookup_id, [True] * n)
+
+    _OPS = {
+        "store": _store, "load": _load, "lookup": _lookup, "copy": _copy, "settle": _settle,
+        "submit_fail": _submit_fail, "answer": _answer,
+        "finish": lambda self, o: self.p.b.finish(o[1]),
+        "done": lambda self, o: self.p.a.done(o[1]),
+        "drain": lambda self, o: self.p.b.reset("vLLM is shutting down", loads=o[1]),
+        "deliver": lambda self, o: self.p.deliver(o[1]),
+        "advance": lambda self, o: self.p.advance(o[1]),
+        "tick": lambda self, o: self.tick(o[1]),
+        "reconnect": lambda self, o: self.reconnect(o[1]),
+    }
 
     def same_host_poll(self, o) -> None:
         """The worker's poll reaches one posted read: the same-host copy runs and is reported in that poll.  A read
