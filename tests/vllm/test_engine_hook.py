@@ -32,6 +32,8 @@ class FakeEngineCore:
         """vLLM's idle loop: block on the input queue; on a wake, step while the manager has pending work.  Returns
         the seconds until ``until()`` held."""
         t0 = time.monotonic()
+        # until() is asked once per check and never again once it held: it may step the peer (whose next step would
+        # then go on past what the caller wants to look at)
         while not until():
             left = t0 + timeout_s - time.monotonic()
             if left <= 0:
@@ -42,7 +44,9 @@ class FakeEngineCore:
                 continue
             assert kind is EngineCoreRequestType.WAKEUP
             steps = 0
-            while self.engine.mgr.has_pending_work() and not until():
+            while self.engine.mgr.has_pending_work():
+                if until():
+                    return time.monotonic() - t0
                 self.engine.step()
                 steps += 1
                 assert steps < 100_000, "has_pending_work never settled"
