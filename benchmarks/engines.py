@@ -103,15 +103,15 @@ class Engine:
                  secret: str, max_model_len: int = 2048, env: dict | None = None, args: tuple[str, ...] = ()):
         self.name, self.kv, self.http = name, kv, http
         self.engine_id = kv["engine_id"]
-        self.rpc = tempfile.mkdtemp(prefix=f"p2pw-{name}.", dir="/tmp")  # vLLM's ZMQ ipc sockets
         self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log = open(self.log_path, "wb")  # first: a log dir that is not there fails before anything exists
+        self.rpc = tempfile.mkdtemp(prefix=f"p2pw-{name}.", dir="/tmp")  # vLLM's ZMQ ipc sockets
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
                 "--host", "127.0.0.1", "--port", str(http), "--kv-transfer-config", json.dumps(kv),
                 "--shutdown-timeout", "10", "--enforce-eager", "--dtype", "float32", "--max-model-len",
                 str(max_model_len), "--max-num-seqs", "8", *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "P2PWORKER_SECRET": secret, "VLLM_RPC_BASE_PATH": self.rpc,
                     "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-        self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
         self.pid = self.proc.pid

@@ -123,14 +123,18 @@ class Pair:
         common = dict(python=py, model=a.model, log_dir=log_dir, secret=secret, max_model_len=a.max_model_len,
                       args=extra)
         self.engines: list[engines.Engine] = []
-        for name, http, p2p, bind, env in (("source", src_http, self.src_p2p, "0", {}),
-                                           ("puller", pul_http, pul_p2p, "1", {"VLLM_SERVER_DEV_MODE": "1"})):
-            entry = (engines.ours_tier(p2p, "prefill" if name == "source" else "decode") if tier is Tier.OURS
-                     else engines.intree_tier(p2p))
-            kv = engines.kv_transfer_config(engines.new_engine_id(f"pvr-{tier.value}-{name}"), [entry],
-                                            a.cpu_mib << 20)
-            self.engines.append(engines.Engine(f"{tier.value}-{name}", kv=kv, http=http, bind=bind, env=env,
-                                               **common))
+        try:
+            for name, http, p2p, bind, env in (("source", src_http, self.src_p2p, "0", {}),
+                                               ("puller", pul_http, pul_p2p, "1", {"VLLM_SERVER_DEV_MODE": "1"})):
+                entry = (engines.ours_tier(p2p, "prefill" if name == "source" else "decode") if tier is Tier.OURS
+                         else engines.intree_tier(p2p))
+                kv = engines.kv_transfer_config(engines.new_engine_id(f"pvr-{tier.value}-{name}"), [entry],
+                                                a.cpu_mib << 20)
+                self.engines.append(engines.Engine(f"{tier.value}-{name}", kv=kv, http=http, bind=bind, env=env,
+                                                   **common))
+        except BaseException:
+            self.stop()  # the source started, the puller did not: never leave the source running
+            raise
         self.source = Http(self.engines[0].url(), a.timeout_s)
         self.puller = Http(self.engines[1].url(), a.timeout_s)
 
@@ -316,13 +320,18 @@ def plot(summary: dict, path: str, title: str) -> str | None:
         return ("matplotlib is not installed: no plot (scripts/setup.sh --bench installs it, or pip install "
                 "matplotlib; --replot JSON draws it later from this run's --json)")
     fig, ax = plt.subplots(figsize=(8, 5))
-    styles = {Tier.OURS.value: "-", Tier.INTREE.value: "--"}
+    styles = {Tier.OURS.value: "-", Tier.INTREE.value: "--"}  # one colour per arm, one line style per tier
+    colours = {arm.value: f"C{i}" for i, arm in enumerate(Arm)}
+    lengths: set[int] = set()
     for tier, s in summary.items():
         for arm, by in s["ttft_ms"].items():
             xs = [int(n) for n in by]
-            ax.plot(xs, [by[n]["median"] for n in by], styles.get(tier, ":"), marker="o",
+            lengths.update(xs)
+            ax.plot(xs, [by[n]["median"] for n in by], styles.get(tier, ":"), color=colours.get(arm), marker="o",
                     label=f"{tier}: {arm.replace('_', ' ')}")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)])
+    ax.minorticks_off()
     ax.set_xlabel("prompt tokens (prefix in full offload blocks + a few)")
     ax.set_ylabel("time to first token, ms (median)")
     ax.set_title(title)
@@ -400,8 +409,10 @@ def _finish(a: argparse.Namespace, report: dict, cells: list[Cell]) -> int:
     summary = summarize(cells)
     report.update(summary=summary, cells=[c.to_json() for c in cells], loadavg_after=engines.loadavg())
     failed = [c.to_json() for c in cells if c.problem]
+    # files a stop leaves (the in-tree tier's engines are always force-killed and leak their CPU tier's file; vLLM
+    # leaves its ipc sockets) are removed and only reported; a process left behind is a failure
     unclean = {f"{t}/{n}": s for t, r in report.get("tiers", {}).items() for n, s in r.get("stop", {}).items()
-               if s["left_processes"] or s["left_in_rpc_dir"]}
+               if s["left_processes"]}
     report.update(failed=failed, unclean_stops=unclean)
     print()
     print(table(summary))
@@ -433,6 +444,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     model_tmp = _ensure_model(a)
     log_dir = a.log_dir or tempfile.mkdtemp(prefix="p2pw-pvr-logs.")
+    os.makedirs(log_dir, exist_ok=True)
     report: dict = {"config": {k: v for k, v in vars(a).items() if k not in ("replot",)},
                     "loadavg_before": engines.loadavg(), "cores": os.cpu_count()}
     cells: list[Cell] = []
