@@ -18,8 +18,8 @@ from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-# recompute 0.5 ms/token: 16 tokens ~8 ms, 256 tokens ~128 ms; a pull ~60 ms at any length
-FAST_PULL = dict(recompute_s_per_token=0.0005, pull_s=0.06)
+# recompute 1 ms/token: 16 tokens ~16 ms, 256 tokens ~256 ms; a pull ~100 ms at any length
+FAST_PULL = dict(recompute_s_per_token=0.001, pull_s=0.1)
 LENGTHS = "16,256"
 
 
@@ -72,7 +72,7 @@ def test_a_ladder_where_the_pull_wins_at_the_long_length(pair, monkeypatch, tmp_
 
 
 def test_no_crossover_exits_1_with_the_table(pair, monkeypatch):
-    src, pul = pair(puller={"recompute_s_per_token": 0.0, "pull_s": 0.05})
+    src, pul = pair(puller={"recompute_s_per_token": 0.0, "pull_s": 0.1})
     r = _run(src, pul, monkeypatch=monkeypatch)
     assert r.exit_code == 1
     assert "NO CROSSOVER" in r.output and "MIN_CACHED_TOKEN_DELTA" not in r.output
