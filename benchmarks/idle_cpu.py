@@ -33,22 +33,20 @@ sockets, ipc dirs.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks import engines  # noqa: E402
+from benchmarks.engines import loadavg, proc_stat, tree  # noqa: E402
 from tests.helpers.ports import free_ports  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -56,18 +54,6 @@ CONFIGS = ("tier", "no_tier")
 
 
 # ---------------------------------------------------------------------------------------------------- /proc
-def _stat(path: str) -> tuple[int, int, str] | None:
-    """(ppid, utime+stime ticks, comm) of /proc/<pid>[/task/<tid>]/stat."""
-    try:
-        with open(path + "/stat") as f:
-            s = f.read()
-    except OSError:
-        return None
-    comm = s[s.index("(") + 1:s.rindex(")")]
-    rest = s[s.rindex(")") + 2:].split()  # fields from 3 (state) on
-    return int(rest[1]), int(rest[11]) + int(rest[12]), comm
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -76,34 +62,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
-
-
-def tree(root: int) -> list[int]:
-    """root and its descendants (scan of /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            st = _stat(f"/proc/{d}")
-            if st:
-                children.setdefault(st[0], []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        if os.path.exists(f"/proc/{p}"):
-            out.append(p)
-            todo.extend(children.get(p, []))
-    return out
-
-
 def label(pid: int, root: int) -> str:
     if pid == root:
         return "api_server"
-    cmd, st = _cmdline(pid), _stat(f"/proc/{pid}")
+    cmd, st = _cmdline(pid), proc_stat(f"/proc/{pid}")
     comm = st[2] if st else "?"
     if "p2pworker.cli launch" in cmd or "p2pworker launch" in cmd:
         return "p2pworker"
@@ -126,7 +88,7 @@ def snapshot(pids: list[int]) -> dict:
     """Per pid: process ticks, per-thread ticks and comm, context switches (summed over its threads)."""
     out = {}
     for pid in pids:
-        st = _stat(f"/proc/{pid}")
+        st = proc_stat(f"/proc/{pid}")
         if st is None:
             continue
         threads, ctxt = {}, 0
@@ -135,7 +97,7 @@ def snapshot(pids: list[int]) -> dict:
         except OSError:
             tids = []
         for tid in tids:
-            tst = _stat(f"/proc/{pid}/task/{tid}")
+            tst = proc_stat(f"/proc/{pid}/task/{tid}")
             if tst:
                 threads[int(tid)] = (tst[1], tst[2])
             ctxt += _ctxt(f"/proc/{pid}/task/{tid}")
@@ -157,78 +119,17 @@ def other_vllm(ours: set[int]) -> list[int]:
     return [int(p) for p in r.stdout.split() if int(p) not in ours and int(p) != me]
 
 
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 # ---------------------------------------------------------------------------------------------------- engines
-class Engine:
+class Engine(engines.Engine):
+    """``tier`` or ``no_tier`` (module docstring), launched by benchmarks/engines.py."""
+
     def __init__(self, name: str, args, model: str, bind: str, log_dir: str, secret: str):
-        self.name, self.args = name, args
-        self.http, self.p2p = free_ports(2)
-        self.engine_id = f"p2pw-idle-{name.replace('_', '')}-{os.getpid()}-{secrets.token_hex(3)}"
-        spec = {"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "vllm_adapter.cpu_spec",
-                "cpu_bytes_to_use": 64 << 20, "offload_prompt_only": True}
-        if name == "tier":
-            spec["secondary_tiers"] = [{"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier",
-                                        "host": "127.0.0.1", "port": self.p2p,
-                                        "worker_config": f"{ROOT}/configs/prefill.toml"}]
-        else:
-            spec["secondary_tiers"] = []
-        self.kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": self.engine_id,
-                   "kv_connector_extra_config": spec}
-        self.rpc = tempfile.mkdtemp(prefix=f"p2pw-idle-{name}.", dir="/tmp")  # vLLM's ZMQ ipc sockets
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        py = os.path.join(args.venv, "bin", "python")
-        argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
-                "--host", "127.0.0.1", "--port", str(self.http), "--kv-transfer-config", json.dumps(self.kv),
-                "--shutdown-timeout", "10", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
-                "--max-num-seqs", "8"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "P2PWORKER_SECRET": secret, "VLLM_RPC_BASE_PATH": self.rpc,
-               "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
-        self.pid = self.proc.pid
-        self.t_start = time.monotonic()
-        self.startup_s: float | None = None
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http}{path}"
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before healthy; "
-                                   f"log {self.log_path}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
-                    if r.status == 200:
-                        self.startup_s = round(time.monotonic() - self.t_start, 1)
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{self.name} not healthy within {timeout_s} s; log {self.log_path}:\n{self.tail()}")
-
-    def complete(self) -> str:
-        body = json.dumps({"model": "tiny", "prompt": "alpha bravo charlie delta echo foxtrot golf hotel",
-                           "max_tokens": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(self.url("/v1/completions"), body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())["choices"][0]["text"]
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def admins(self) -> list[str]:
-        return sorted(glob.glob(f"/tmp/p2pworker-vllm-{self.engine_id}-*.admin"))
+        http, self.p2p = free_ports(2)
+        tiers = [engines.ours_tier(self.p2p)] if name == "tier" else []
+        kv = engines.kv_transfer_config(engines.new_engine_id(f"idle-{name.replace('_', '')}"), tiers)
+        super().__init__(name, python=os.path.join(args.venv, "bin", "python"), model=model, kv=kv, http=http,
+                         bind=bind, log_dir=log_dir, secret=secret)
+        self.args = args
 
     def worker_status(self) -> list[dict]:
         """The tier's worker(s), from its admin socket: event ring depth and counters (cheap: one REQ/REP)."""
@@ -245,57 +146,13 @@ class Engine:
                 out.append({"admin": os.path.basename(path), "error": repr(e)})
         return out
 
-    def stop(self, timeout_s: float) -> dict:
-        """SIGTERM the API server (vLLM stops its engine core, the tier its worker), wait; past timeout_s SIGKILL the
-        process group; then report what of ours is left (and remove leftover files)."""
-        t0 = time.monotonic()
-        pgid = self.pid
-        members0 = [p for p in tree(self.pid)]
-        killed = False
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                killed = True
-                os.killpg(pgid, signal.SIGKILL)
-                self.proc.wait(10)
-        # children follow their parent: the same bound
-        deadline = time.monotonic() + timeout_s
-        left = []
-        while time.monotonic() < deadline:
-            left = [p for p in members0 if os.path.exists(f"/proc/{p}") and _pgid(p) == pgid] + \
-                   [int(d) for d in os.listdir("/proc") if d.isdigit() and _pgid(int(d)) == pgid]
-            left = sorted(set(left))
-            if not left:
-                break
-            time.sleep(0.5)
-        if left:
-            killed = True
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.log.close()
-        files = (glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*") + glob.glob(f"/dev/shm/p2pw_*{self.engine_id}*")
-                 + self.admins())
-        for f in files:
-            try:
-                os.unlink(f)
-            except OSError:
-                pass
-        rpc_left = os.listdir(self.rpc) if os.path.isdir(self.rpc) else []
-        shutil.rmtree(self.rpc, ignore_errors=True)
-        return {"stop_s": round(time.monotonic() - t0, 1), "rc": self.proc.returncode, "sigkill": killed,
-                "left_processes": left, "left_files": files, "left_in_rpc_dir": rpc_left}
-
 
 # ---------------------------------------------------------------------------------------------------- measuring
 def all_ticks() -> dict[int, tuple[int, str]]:
     out = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
-            st = _stat(f"/proc/{d}")
+            st = proc_stat(f"/proc/{d}")
             if st:
                 out[int(d)] = (st[1], st[2])
     return out
@@ -344,7 +201,7 @@ def window(eng: Engine, seconds: float, ours: set[int]) -> dict:
     others.sort(key=lambda o: -o["pct"])
     return {"seconds": round(dt, 2), "procs": procs, "total": total, "box_pct": sys_pct, "new_pids": new,
             "gone_pids": gone, "top_threads": threads[:8], "loadavg": loadavg(), "others": others[:5],
-            "tree": [{"pid": p, "ppid": (_stat(f"/proc/{p}") or (0,))[0], "label": labels[p],
+            "tree": [{"pid": p, "ppid": (proc_stat(f"/proc/{p}") or (0,))[0], "label": labels[p],
                       "cmd": _cmdline(p)[:100]} for p in pids]}
 
 

@@ -270,6 +270,94 @@ def _probe(ctl, address: str, timeout_s: float):
     return info, up_s, probe_s
 
 
+def worker_fingerprint(address: str, timeout_s: float = 5.0) -> tuple[str, dict]:
+    """The fingerprint (digest, fields) the worker at ``address`` answers a probe with ($P2PWORKER_SECRET)."""
+    from p2pworker.control import ControlConfig, ZmqControl
+
+    ctl = ZmqControl(ControlConfig(port=0, heartbeat_interval_s=timeout_s / 3))
+    try:
+        info, _, _ = _probe(ctl, address, timeout_s)
+    finally:
+        ctl.close()
+    return info.fingerprint.digest, dict(info.fingerprint.fields)
+
+
+@main.command()
+@click.option("--source", "source_url", required=True, help="The engine that holds the prefixes (http://HOST:PORT).")
+@click.option("--puller", "puller_url", required=True, help="The engine that pulls them (http://HOST:PORT).")
+@click.option("--source-p2p", default=None,
+              help="The source's worker, HOST:PORT (the tier's host and port); default: what the source publishes "
+                   "(vLLM 0.33's vllm:kv_offload_config_info).")
+@click.option("--puller-p2p", default=None,
+              help="The puller's worker, HOST:PORT: with it the two workers' fingerprints are compared first.")
+@click.option("--lengths", default="", help="Prompt lengths in tokens, comma-separated (rounded up to the block "
+                                            "size); default: 2048,4096,...,32768 up to the engines' limit.")
+@click.option("--reps", default=5, show_default=True, type=click.IntRange(1, 100), help="Reps per length.")
+@click.option("--settle", "settle_s", default=2.0, show_default=True, type=click.FloatRange(0, 60),
+              help="Seconds after seeding the source before the puller's request (the source stores a step later).")
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(1, 600),
+              help="Bound of every HTTP call and handshake.")
+@click.option("--token-range", default="100:1000", show_default=True,
+              help="Random prompt token ids in [LOW, HIGH): inside the model's vocabulary.")
+@click.option("--seed", type=int, default=None, help="Seed of the random prompts (default: fresh each run).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write the result (every sample, the fits) as JSON here.")
+def calibrate(source_url, puller_url, source_p2p, puller_p2p, lengths, reps, settle_s, timeout_s, token_range,
+              seed, json_path) -> None:
+    """Time to first token with the prefix pulled from a peer vs recomputed, on two live engines, and the
+    minCachedTokenDelta it gives llm-d's p2p-source-producer: the shortest tested length from which the pull wins.
+
+    Both engines must run the P2PWorkerTier with the same model and fingerprint; the puller must serve nothing
+    else meanwhile.  Exit status 1, with the reason, when an engine is unreachable or lacks the tier, the
+    fingerprints differ, a recompute leg hit a cache (contaminated), a pull leg did not pull, or the pull never
+    keeps winning (no crossover).
+    """
+    from p2pworker import calibrate as cal
+
+    try:
+        low, high = (int(x) for x in token_range.split(":"))
+        asked = tuple(int(x) for x in lengths.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter("--lengths N,N,...  --token-range LOW:HIGH") from None
+    settings = cal.Settings(lengths=asked, reps=reps, settle_s=settle_s, timeout_s=timeout_s, token_low=low,
+                            token_high=high, seed=seed)
+    run = cal.Calibration(cal.Http(source_url, timeout_s), cal.Http(puller_url, timeout_s), settings,
+                          source_p2p=source_p2p, puller_p2p=puller_p2p)
+    try:
+        result = _calibrate(run, timeout_s)
+    except cal.Refused as e:
+        click.echo(f"calibrate: refused ({e.why.value}): {e}", err=True)
+        sys.exit(1)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+    click.echo(cal.table(result))
+    if result.crossover is None:
+        click.echo(f"calibrate: NO CROSSOVER: recompute wins at {result.points[-1].length} tokens, the longest "
+                   "tested: pulls do not pay off in this range (extend --lengths if the engines take longer "
+                   "prompts)", err=True)
+        sys.exit(1)
+    click.echo(cal.recommendation(result))
+
+
+def _calibrate(run, timeout_s: float):
+    """``calibrate``'s refusals, then its measurement under a progress bar on stderr."""
+    from p2pworker import calibrate as cal
+    from p2pworker.errors import P2PError
+
+    def fingerprint_of(address: str) -> tuple[str, dict]:
+        try:
+            return worker_fingerprint(address, timeout_s)
+        except (P2PError, click.ClickException) as e:
+            msg = e.format_message() if isinstance(e, click.ClickException) else str(e)
+            raise cal.Refused(cal.Refusal.UNREACHABLE, f"worker {address} did not answer a handshake ({msg}); "
+                              "is $P2PWORKER_SECRET the engines' secret?") from None
+
+    run.preflight(fingerprint_of)
+    with click.progressbar(length=run.total_steps(), label="calibrating", show_pos=True, file=sys.stderr) as bar:
+        return run.run(progress=bar.update)
+
+
 main.add_command(router_command)
 
 

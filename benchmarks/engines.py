@@ -1,0 +1,207 @@
+"""Real `vllm serve` engines for the benchmarks, started as scripts/pd.sh starts them and stopped with everything of
+theirs removed.
+
+The argv and environment are pd.sh's (vLLM's CPU backend, the tiny test model of tests/helpers/tiny_model.py,
+``--enforce-eager --dtype float32 --max-num-seqs 8 --shutdown-timeout 10``, VLLM_CPU_KVCACHE_SPACE=1, HTTP on
+127.0.0.1, OMP threads bound to one core, vLLM's ipc sockets in a directory of their own), the offloading spec is
+vllm_adapter.cpu_spec.CPUTieringOffloadingSpec (vLLM's own CPUOffloadingSpec refuses the CPU platform) and the
+secondary tiers are the caller's: ours (:func:`ours_tier`), vLLM's in-tree one (:func:`intree_tier`) or none.
+
+:meth:`Engine.stop` sends SIGTERM, waits, then kills the process group; then it removes what a killed engine
+leaves: the CPU tier's ``/dev/shm/vllm_offload_<engine_id>*`` (vLLM's in-tree p2p tier never lets its engine idle,
+so vLLM always force-kills that engine core after --shutdown-timeout), our worker's rings and admin socket, and the
+ipc directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------------------------------- /proc
+def proc_stat(path: str) -> tuple[int, int, str] | None:
+    """(ppid, utime+stime ticks, comm) of /proc/<pid>[/task/<tid>]/stat."""
+    try:
+        with open(path + "/stat") as f:
+            s = f.read()
+    except OSError:
+        return None
+    comm = s[s.index("(") + 1:s.rindex(")")]
+    rest = s[s.rindex(")") + 2:].split()  # fields from 3 (state) on
+    return int(rest[1]), int(rest[11]) + int(rest[12]), comm
+
+
+def pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def tree(root: int) -> list[int]:
+    """root and its descendants (scan of /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = proc_stat(f"/proc/{d}")
+            if st:
+                children.setdefault(st[0], []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        if os.path.exists(f"/proc/{p}"):
+            out.append(p)
+            todo.extend(children.get(p, []))
+    return out
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+def ours_tier(port: int, worker_config: str = "prefill") -> dict:
+    """The P2PWorkerTier entry, with configs/<worker_config>.toml (pd.sh's)."""
+    return {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port,
+            "worker_config": os.path.join(ROOT, "configs", f"{worker_config}.toml")}
+
+
+def intree_tier(port: int) -> dict:
+    """vLLM's own p2p tier (NIXL over UCX; its consumers name a peer by the literal host:port it binds)."""
+    return {"type": "p2p", "host": "127.0.0.1", "port": port}
+
+
+def kv_transfer_config(engine_id: str, tiers: list[dict], cpu_bytes: int = 64 << 20) -> dict:
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": {"spec_name": "CPUTieringOffloadingSpec",
+                                          "spec_module_path": "vllm_adapter.cpu_spec", "cpu_bytes_to_use": cpu_bytes,
+                                          "offload_prompt_only": True, "secondary_tiers": tiers}}
+
+
+def new_engine_id(tag: str) -> str:
+    return f"p2pw-{tag}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+# ---------------------------------------------------------------------------------------------------- engines
+class Engine:
+    """One `vllm serve` process (its own session and process group) with the given --kv-transfer-config."""
+
+    def __init__(self, name: str, *, python: str, model: str, kv: dict, http: int, bind: str, log_dir: str,
+                 secret: str, max_model_len: int = 2048, env: dict | None = None, args: tuple[str, ...] = ()):
+        self.name, self.kv, self.http = name, kv, http
+        self.engine_id = kv["engine_id"]
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log = open(self.log_path, "wb")  # first: a log dir that is not there fails before anything exists
+        self.rpc = tempfile.mkdtemp(prefix=f"p2pw-{name}.", dir="/tmp")  # vLLM's ZMQ ipc sockets
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
+                "--host", "127.0.0.1", "--port", str(http), "--kv-transfer-config", json.dumps(kv),
+                "--shutdown-timeout", "10", "--enforce-eager", "--dtype", "float32", "--max-model-len",
+                str(max_model_len), "--max-num-seqs", "8", *args]
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "P2PWORKER_SECRET": secret, "VLLM_RPC_BASE_PATH": self.rpc,
+                    "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+        self.pid = self.proc.pid
+        self.t_start = time.monotonic()
+        self.startup_s: float | None = None
+        self.stopped: dict | None = None
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.http}{path}"
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before healthy; "
+                                   f"log {self.log_path}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_s = round(time.monotonic() - self.t_start, 1)
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not healthy within {timeout_s} s; log {self.log_path}:\n{self.tail()}")
+
+    def complete(self, prompt: str = "alpha bravo charlie delta echo foxtrot golf hotel", max_tokens: int = 8) -> str:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        req = urllib.request.Request(self.url("/v1/completions"), body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def admins(self) -> list[str]:
+        return sorted(glob.glob(f"/tmp/p2pworker-vllm-{self.engine_id}-*.admin"))
+
+    def leftover_files(self) -> list[str]:
+        return (glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*") + glob.glob(f"/dev/shm/p2pw_*{self.engine_id}*")
+                + self.admins())
+
+    def stop(self, timeout_s: float) -> dict:
+        """SIGTERM the API server (vLLM stops its engine core, our tier its worker), wait; past timeout_s SIGKILL the
+        process group; then report what of ours is left (and remove leftover files).  Idempotent."""
+        if self.stopped is not None:
+            return self.stopped
+        t0 = time.monotonic()
+        pgid = self.pid
+        killed = False
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                killed = True
+                os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait(10)
+        left = self._wait_group_gone(pgid, timeout_s)
+        if left:
+            killed = True
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+        files = self.leftover_files()
+        for f in files:
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+        rpc_left = os.listdir(self.rpc) if os.path.isdir(self.rpc) else []
+        shutil.rmtree(self.rpc, ignore_errors=True)
+        self.stopped = {"stop_s": round(time.monotonic() - t0, 1), "rc": self.proc.returncode, "sigkill": killed,
+                        "left_processes": left, "left_files": files, "left_in_rpc_dir": rpc_left}
+        return self.stopped
+
+    @staticmethod
+    def _wait_group_gone(pgid: int, timeout_s: float) -> list[int]:
+        """Children follow their parent (the engine core, our worker): the same bound.  What is still there."""
+        deadline = time.monotonic() + timeout_s
+        left: list[int] = []
+        while time.monotonic() < deadline:
+            left = sorted(int(d) for d in os.listdir("/proc") if d.isdigit() and pgid_of(int(d)) == pgid)
+            if not left:
+                break
+            time.sleep(0.5)
+        return left

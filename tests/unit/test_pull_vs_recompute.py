@@ -1,0 +1,82 @@
+"""benchmarks/pull_vs_recompute.py without engines: how it judges an arm by the puller's counter deltas (so an arm
+that silently recomputed never passes as a pull, nor a hit as a recompute), the answer check, the summary and its
+crossover, and the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.pull_vs_recompute import Arm, Cell, Tier, _args, answer_problem, arm_problem, summarize, table
+from p2pworker.calibrate import CachedTokens, Served, classify
+
+pytestmark = pytest.mark.timeout(30)
+
+HIT = 512
+
+
+@pytest.mark.parametrize("arm,delta,ok", [
+    (Arm.RECOMPUTE, CachedTokens(), True),
+    (Arm.RECOMPUTE, CachedTokens(host=HIT), False),  # a cache answered: not a recompute
+    (Arm.RECOMPUTE, CachedTokens(device=128), False),
+    (Arm.LOCAL, CachedTokens(host=HIT), True),
+    (Arm.LOCAL, CachedTokens(), False),  # the CPU tier did not hold it: recomputed
+    (Arm.LOCAL, CachedTokens(device=HIT), False),  # the device cache was not reset
+    (Arm.LOCAL, CachedTokens(host=HIT, p2p=HIT), False),
+    (Arm.PULL_IDLE, CachedTokens(p2p=HIT), True),
+    (Arm.PULL_IDLE, CachedTokens(), False),  # the pull never fired: a silent recompute
+    (Arm.PULL_BUSY, CachedTokens(p2p=HIT - 128), False),  # part of the prefix only
+    (Arm.PULL_BUSY, CachedTokens(host=HIT), False),  # the puller held it already
+    (Arm.PULL_BUSY, CachedTokens(p2p=HIT), True),
+])
+def test_arm_problem(arm, delta, ok):
+    problem = arm_problem(arm, delta, HIT)
+    assert (problem is None) is ok, problem
+    if not ok:
+        assert arm.value in problem and classify(delta, HIT).value in problem
+
+
+def test_each_arm_expects_its_own_source():
+    assert [a.expected for a in Arm] == [Served.RECOMPUTED, Served.HOST_HIT, Served.P2P_PULL, Served.P2P_PULL]
+
+
+def test_answer_problem():
+    want = (["a", "b"], [-0.5, -1.0])
+    assert answer_problem((["a", "b"], [-0.50001, -1.0]), want) is None
+    assert "answer differs" in answer_problem((["a", "c"], [-0.5, -1.0]), want)
+    assert "logprobs differ" in answer_problem((["a", "b"], [-0.6, -1.0]), want)
+
+
+def _cell(arm, tokens, ms, rep=0, problem=None):
+    delta = {Arm.RECOMPUTE: CachedTokens(), Arm.LOCAL: CachedTokens(host=tokens - 8)}.get(
+        arm, CachedTokens(p2p=tokens - 8))
+    return Cell(Tier.OURS, arm, (tokens - 8) // 128, tokens, rep, ms / 1e3, classify(delta, tokens - 8), delta,
+                problem)
+
+
+def test_summary_crossover_and_table():
+    cells = []
+    for tokens, rec, pull in ((136, 10, 30), (264, 20, 25), (520, 40, 30), (1032, 80, 35)):
+        for rep in range(3):
+            cells += [_cell(Arm.RECOMPUTE, tokens, rec + rep), _cell(Arm.PULL_IDLE, tokens, pull + rep),
+                      _cell(Arm.PULL_BUSY, tokens, 2 * pull + rep), _cell(Arm.LOCAL, tokens, 5)]
+    cells.append(_cell(Arm.PULL_IDLE, 136, 1, rep=9, problem="pull_idle: recomputed"))  # failed: not counted
+    s = summarize(cells)["ours"]
+    assert s["crossover_tokens"] == {"pull_idle": 520, "pull_busy": 1032}
+    assert s["ttft_ms"]["pull_idle"]["136"] == {"median": 31.0, "min": 30.0, "max": 32.0, "n": 3}
+    text = table(summarize(cells))
+    assert "crossover (pull_idle vs recompute): 520 tokens" in text
+    assert "31.0 [30.0..32.0]" in text
+
+
+def test_no_crossover_is_said_so():
+    cells = [_cell(Arm.RECOMPUTE, 136, 5), _cell(Arm.PULL_IDLE, 136, 50)]
+    s = summarize(cells)["ours"]
+    assert s["crossover_tokens"]["pull_idle"] is None
+    assert "none: recompute is as fast or faster" in table(summarize(cells))
+
+
+def test_default_chunks_reach_the_longest_prefix_that_fits():
+    a = _args(["--max-model-len", "2048"])
+    assert a.chunk_list == [1, 2, 4, 8, 15]  # 15 * 128 + 8 tokens + 12 answer tokens <= 2048
+    with pytest.raises(SystemExit):
+        _args(["--chunks", "16"])
