@@ -138,16 +138,14 @@ class Model:
         self.next_lookup += 1
 
     def _copy(self, o) -> None:
-        a = self.p.a
-        if not a.data.reads:
-            return
-        if self.same_host:
-            self.same_host_poll(o)
-            return
-        tids = sorted(a.data.reads)
-        a.copy(tids[o[1] % len(tids)], self.p.b, o[2])  # lands whatever the sessions think: the check decides
+        self._on_posted_read(o, lambda a, tid: a.copy(tid, self.p.b, o[2]))  # lands whatever the sessions think
 
     def _settle(self, o) -> None:
+        self._on_posted_read(o, lambda a, tid: a.settle(tid, o[2]))
+
+    def _on_posted_read(self, o, act) -> None:
+        """A "copy" or "settle" op reaches one posted read (none posted: nothing happens); on the same-host path
+        the worker's poll does both at once (same_host_poll)."""
         a = self.p.a
         if not a.data.reads:
             return
@@ -155,7 +153,7 @@ class Model:
             self.same_host_poll(o)
             return
         tids = sorted(a.data.reads)
-        a.settle(tids[o[1] % len(tids)], o[2])
+        act(a, tids[o[1] % len(tids)])
 
     def _submit_fail(self, o) -> None:
         self.p.a.data.fail_submit = o[1]
