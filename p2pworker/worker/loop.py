@@ -85,13 +85,7 @@ class Worker:
         self.reporter = Reporter()
         # the named points test hooks implement (p2pworker/instruments.py); nothing runs at them by default
         self.instruments = Instruments()
-        self.metrics = None
-        if cfg.metrics_port:
-            from p2pworker.metrics import Metrics
-
-            # port + DP index, like the control port: every DP rank of an engine serves its own
-            self.metrics = Metrics(self, cfg.metrics_port + cfg.control.dp_index, cfg.metrics_host)
-        self.outbox = EventOutbox(self.evt, self.reporter, self.counters, clock, self, self.metrics)
+        self.outbox = EventOutbox(self.evt, self.reporter, self.counters, clock, self)
         self.host = SessionHost(self)
         self.lanes = LaneHost(self)
         self.runner = ActionRunner(self)
@@ -100,6 +94,13 @@ class Worker:
         self.sleeper = Sleeper(self.cmd, self.evt)
         self._heartbeats = 0
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
+        self.metrics = None
+        if cfg.metrics_port:  # last: a scrape reads the rooms above
+            from p2pworker.metrics import Metrics
+
+            # port + DP index, like the control port: every DP rank of an engine serves its own
+            self.metrics = Metrics(self, cfg.metrics_port + cfg.control.dp_index, cfg.metrics_host)
+            self.outbox.metrics = self.metrics
 
     # ------------------------------------------------------------ what the rooms share
     @property

@@ -182,7 +182,7 @@ class SessionHost:
         out = lk is not None and lk.outbound
         key = self.peers.addr_of.get(link)  # the address as the adapter gave it (a name stays a name)
         if out and key is not None:
-            if self.peers.links.get(key) == link and s.close_cause is not CloseCause.PEER_LOST:
+            if self.peers.links.get(key) == link and s.close_reason and s.close_cause is not CloseCause.PEER_LOST:
                 # Closed on a live link (protocol error, refused handshake, data plane, send failure): drop the
                 # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                 self.peers.forget(link)
