@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import collections
 import socket
+import types
 import typing
 
 import pytest
 
 from p2pworker import api
-from p2pworker.errors import MessageTooLarge
-from p2pworker.session import Reporter, SessionClosed
-from p2pworker.worker.actions import ReadBook
+from p2pworker.errors import MessageTooLarge, P2PError
+from p2pworker.protocol import messages as m
+from p2pworker.session import CloseCause, Reporter, Send, SessionClosed, State
+from p2pworker.session.core import SessionCounters
+from p2pworker.worker.actions import ActionRunner, ReadBook
 from p2pworker.worker.commands import Commands
+from p2pworker.worker.lane_host import LaneHost
 from p2pworker.worker.lanes import LANE_TIMEOUT_S, LaneLink, LaneStage, LaneSwitch
 from p2pworker.worker.outbox import EventOutbox
+from p2pworker.worker.sessions import SessionHost
 from p2pworker.worker.phase import PHASE_MOVES, PhaseError, PhaseEvent, WorkerPhase, next_phase
 from p2pworker.worker.timers import Timer
 from p2pworker.instruments import Instruments
@@ -206,3 +211,81 @@ def test_every_command_of_the_ring_api_has_exactly_one_handler():
 
     table = Commands(_W())._handlers
     assert set(table) == set(typing.get_args(api.Command))
+
+
+# ------------------------------------------------------------ session host and action runner (fakes, no processes)
+class _Ctl:
+    def __init__(self, outbound=True, fail_send=False):
+        self.outbound, self.fail_send = outbound, fail_send
+        self.sent, self.disconnected = [], []
+
+    def link(self, link):
+        return types.SimpleNamespace(outbound=self.outbound, state=None)
+
+    def disconnect(self, link):
+        self.disconnected.append(link)
+
+    def send(self, link, payload):
+        if self.fail_send:
+            raise P2PError("gone")
+        self.sent.append((link, payload))
+
+
+class _FakeSession:
+    """What the host and the runner read of a session; close() returns no further actions."""
+
+    def __init__(self, link, cause=CloseCause.LOCAL, reason="closed"):
+        self.link, self.close_cause, self.close_reason = link, cause, reason
+        self.state, self.settled, self.quiet_close, self.lane_in = State.CLOSED, True, False, False
+        self.peer_lane_key, self.peer_id = b"", "peer"
+        self.counters = SessionCounters()
+        self.closed_with = []
+
+    def close(self, detail, *, cause=CloseCause.LOCAL, bye=False):
+        self.closed_with.append((detail, cause))
+        return []
+
+
+def _worker(ctl):
+    w = types.SimpleNamespace(ctl=ctl, data=None, clock=Clock(10.0), counters=collections.Counter(),
+                              cfg=types.SimpleNamespace(control=types.SimpleNamespace(max_frame_bytes=1 << 20, hwm=64)))
+    w.host = SessionHost(w)
+    w.lanes = LaneHost(w)
+    w.runner = ActionRunner(w)
+    return w
+
+
+@pytest.mark.parametrize("cause, backs_off", [(CloseCause.LOCAL, True), (CloseCause.PROTOCOL_ERROR, True),
+                                              (CloseCause.PEER_LOST, False)])
+def test_a_retired_outbound_session_drops_its_link_with_a_backoff_unless_the_peer_was_lost(cause, backs_off):
+    w = _worker(_Ctl(outbound=True))
+    s = _FakeSession("out-1", cause)
+    w.host.peers.add("p:1", "out-1")
+    w.host.sessions["out-1"] = s
+    w.host.retire(s)
+    assert "out-1" not in w.host.sessions and not w.host.settling
+    assert (w.host.peers.blocked("p:1", w.clock()) is not None) is backs_off
+    assert (w.host.peers.links.get("p:1") is None) is backs_off  # a lost peer's link is kept: it reconnects
+    assert w.ctl.disconnected == (["out-1"] if backs_off else [])
+
+
+def test_an_unsettled_session_is_kept_until_its_reads_settle_and_its_counters_fold_once():
+    w = _worker(_Ctl(outbound=False))
+    s = _FakeSession("in-1")
+    s.settled, s.counters.late_reads = False, 2
+    w.host.sessions["in-1"] = s
+    w.host.retire(s)
+    assert w.host.settling == [s] and w.ctl.disconnected == ["in-1"]  # an inbound link is hung up at once
+    s.settled = True
+    w.host.retire(s)
+    w.host.retire(s)
+    assert not w.host.settling and w.counters["sessions_late_reads"] == 2
+
+
+def test_a_send_that_fails_closes_the_session_and_nothing_more_goes_out_on_its_link():
+    w = _worker(_Ctl(fail_send=True))
+    s = _FakeSession("out-1")
+    s.state = State.ACTIVE
+    w.host.sessions["out-1"] = s
+    w.runner.run("out-1", s, [Send(m.LaneUp()), Send(m.LaneUp())])
+    assert len(s.closed_with) == 1 and "unusable" in s.closed_with[0][0]  # the second Send found no link: skipped
