@@ -146,6 +146,11 @@ class ActionRunner:
             server.expect_lane(a.key, lane_ids(s.peer_id, self.w.ctx.node_id), run.link)
 
     def _post_read(self, run: _Run, a: PostRead) -> None:
+        # The one path here that writes rows: this worker's own read (NIXL or the same-host copy) into our region,
+        # by this process.  Invariant 7: the session reports the load only from on_read_result, which poll_data
+        # calls once the data plane says the read settled (landed, failed or cancelled: nothing of it can land
+        # later); a read that never settles ends the process (Abort) before any report.  Invariant 8: a job's rows
+        # go as many pieces as they need (the data plane splits by max_piece_bytes); no size here caps a job.
         s = run.s
         try:
             tid = self.w.data.read_blocks(s.link, a.local_rows, a.remote_rows)
@@ -158,6 +163,7 @@ class ActionRunner:
             self.reads.add(tid, s, a.read_id)
 
     def _cancel_reads(self, run: _Run, a: CancelReads) -> None:
+        # asks only: a cancelled read is still reported through poll_data once it settled, never before
         tids = self.reads.tids(run.s, a.read_ids)
         if tids:
             self.w.data.cancel(tids)

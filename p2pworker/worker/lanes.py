@@ -89,8 +89,9 @@ class LaneSwitch:
         return rec.lane if rec is not None and rec.stage is LaneStage.UP else None
 
     def polled(self) -> bool:
-        """Anything the loop reads or steps: a switched lane or a dial in progress (an offered lane waits silent)."""
-        return any(rec.stage is not LaneStage.OFFERED for rec in self.links.values())
+        """Anything for the loop's lane pass (O(1) on every turn; an offered lane alone makes it a pass that skips
+        it: it waits silent for the dialer's LaneUp)."""
+        return bool(self.links)
 
     def backlog(self) -> bool:
         return any(rec.lane.backlog for rec in self.links.values() if rec.stage is LaneStage.UP)

@@ -39,6 +39,8 @@ def shut_down(w: Worker) -> None:
 
 
 def _end_work(w: Worker, reason: str) -> None:
+    # Invariant 7: loads are cancelled, then reported only after data.close() says every read settled; rows a peer
+    # may still be reading (leased) stay unreported until this process exits.
     host = w.host
     w.commands.fail_queued(reason)
     for link, sess in list(host.sessions.items()):
