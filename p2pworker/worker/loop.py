@@ -202,18 +202,20 @@ class Worker:
     def _poll(self) -> bool:
         """Everything that may have arrived: commands, control events, lanes, settled reads, resolved names."""
         did = self.commands.take()
-        ctl = self.ctl
-        if ctl is not None and not (self.sleeper.watched(self._epoch()) and ctl.quiet(self.sleeper.readable)):
-            for ev in ctl.poll(0):
-                did = True
-                self.host.on_control(ev)
+        att = self.att  # read once per turn: this runs several times per request
+        if att is not None:
+            ctl = att.ctl
+            if not (self.sleeper.watched(self._epoch()) and ctl.quiet(self.sleeper.readable)):
+                for ev in ctl.poll(0):
+                    did = True
+                    self.host.on_control(ev)
         if self.lanes.switch.polled():
             did = self.lanes.poll() or did
-        server = self.data.lane_server() if self.data is not None else None
-        if server is not None and server.lanes_waiting:
-            did = True
-            self.lanes.take(server)
-        if self.data is not None:
+        if att is not None:
+            server = att.data.lane_server()
+            if server is not None and server.lanes_waiting:
+                did = True
+                self.lanes.take(server)
             did = self.runner.poll_data() or did
         if self.host.resolver:
             did = self.host.resolved() or did
