@@ -209,8 +209,13 @@ class Pair:
             body["kv_transfer_params"] = self.remote_source()
         with self.busy_source() if arm is Arm.PULL_BUSY else contextlib.nullcontext():
             before = self.puller.cached()
+            sent = time.monotonic_ns()
             took = self.puller.ttft(body)
             delta = self.puller.cached() - before
+        if self.a.ttft_log:  # on the workers' trace clock: benchmarks/hops/pulls.py aligns the two
+            rid = body.get("kv_transfer_params", {}).get("remote_kv_source", {}).get("kv_request_id", "-")
+            with open(self.a.ttft_log, "a") as f:
+                f.write(f"{sent} {sent + int(took * 1e9)} {rid}\n")
         return took, delta
 
     def cell(self, arm: Arm, chunks: int, rep: int, seed: int) -> Cell:
@@ -365,6 +370,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "pull_vs_recompute.png"),
                     help="the TTFT plot ('' for none)")
     ap.add_argument("--replot", default=None, help="draw --plot from this --json of an earlier run; start nothing")
+    ap.add_argument("--ttft-log", default=None, help="append each timed request's send and first-token "
+                    "CLOCK_MONOTONIC ns and its pull id here (benchmarks/hops/pulls.py)")
     ap.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir, kept on failure only)")
     a = ap.parse_args(argv)
     longest = (a.max_model_len - TAIL - ANSWER_TOKENS) // a.block_size

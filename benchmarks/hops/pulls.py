@@ -1,0 +1,116 @@
+"""Where a pulled prefix's time to first token goes: pull_vs_recompute's client times aligned with both workers'
+trace rows, per pull.
+
+    rm -rf /tmp/pulls && mkdir /tmp/pulls
+    HOPTRACE_DIR=/tmp/pulls P2PWORKER_HOOK=benchmarks.hops.trace_hook:install PYTHONPATH=$PWD \\
+      .venv-vllmcpu032/bin/python benchmarks/pull_vs_recompute.py --tiers ours --arms pull_idle,local \\
+      --chunks 8 --reps 8 --ttft-log /tmp/pulls/ttft.txt
+    python benchmarks/hops/pulls.py /tmp/pulls
+
+Rows of the two workers (``worker_*source*.txt``, ``worker_*puller*.txt``, from trace_hook.py) and the client's
+``--ttft-log`` (send and first-token CLOCK_MONOTONIC ns, the pull's kv_request_id) are on one clock.  Per pull:
+
+* ``intake``: request sent -> the puller's LookupKeys command taken (HTTP, tokenizing, vLLM's first scheduler pass);
+* ``ask``: LookupKeys -> the source worker decodes the Lookup;
+* ``serve``: that Lookup -> the source engine's AnswerLookup taken (an idle vLLM 0.32 engine is woken for it);
+* ``answer``: AnswerLookup -> the puller decodes the LookupResp;
+* ``submit``: LookupResp -> the puller's LoadJob taken (its scheduler's next pass: HIT, then submit_load);
+* ``fetch``: LoadJob -> the JobFinished put (Fetch, Offer, the read or same-host copy);
+* ``finish``: JobFinished put -> first token (the puller's promotion into its CPU tier, load to device, prefill of
+  the tail).
+
+Then the median of each hop and, per hop, how much of its wall time the worker threads spent on a CPU (the trace
+rows carry each thread's CPU time): a hop of tens of ms with well under 1 ms of CPU was waiting for a core.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+HOPS = ("intake", "ask", "serve", "answer", "submit", "fetch", "finish")
+
+
+@dataclass(frozen=True)
+class Row:
+    ns: int
+    side: str  # S: the source's worker, P: the puller's
+    tag: str
+    info: tuple[str, ...]
+    cpu_ns: int
+
+
+def load(trace_dir: str) -> list[Row]:
+    rows = []
+    for side, pattern in (("S", "source"), ("P", "puller")):
+        paths = glob.glob(os.path.join(trace_dir, f"worker_*{pattern}*.txt"))
+        if len(paths) != 1:
+            raise SystemExit(f"{trace_dir}: expected one worker_*{pattern}*.txt, found {len(paths)}")
+        for line in open(paths[0]):
+            p = line.split()
+            rows.append(Row(int(p[0]), side, p[1], tuple(p[2:-1]), int(p[-1].removeprefix("cpu="))))
+    rows.sort(key=lambda r: r.ns)
+    return rows
+
+
+def first(rows: list[Row], side: str, tag: str, what: str, rid: str | None = None, after: int = 0) -> Row | None:
+    """The first row of ``side`` with ``tag`` whose info starts with ``what`` (and names ``rid``) at or after ns."""
+    i = bisect.bisect_left([r.ns for r in rows], after)
+    for r in rows[i:]:
+        if r.side == side and r.tag == tag and r.info and r.info[0] == what and (rid is None or rid in r.info):
+            return r
+    return None
+
+
+def cpu_between(rows: list[Row], side: str, t0: int, t1: int) -> float:
+    """CPU ms the worker of ``side`` spent in [t0, t1] by its rows' thread CPU times (0 without two rows)."""
+    inside = [r.cpu_ns for r in rows if r.side == side and t0 <= r.ns <= t1]
+    return (inside[-1] - inside[0]) / 1e6 if len(inside) > 1 else 0.0
+
+
+def pulls(trace_dir: str) -> list[dict]:
+    rows = load(trace_dir)
+    out = []
+    for line in open(os.path.join(trace_dir, "ttft.txt")):
+        sent, first_token, rid = line.split()
+        if rid == "-":
+            continue  # not a pull
+        sent, first_token = int(sent), int(first_token)
+        keys = first(rows, "P", "cmd", "LookupKeys", rid, sent)
+        lookup = keys and first(rows, "S", "dec", "Lookup", rid, keys.ns)
+        answer = lookup and first(rows, "S", "cmd", "AnswerLookup", None, lookup.ns)
+        resp = answer and first(rows, "P", "dec", "LookupResp", None, answer.ns)
+        load_job = resp and first(rows, "P", "cmd", "LoadJob", rid, resp.ns)
+        loaded = load_job and first(rows, "P", "evt_put", "load", None, load_job.ns)
+        if not loaded:
+            print(f"{rid}: incomplete trace, skipped", file=sys.stderr)
+            continue
+        marks = (sent, keys.ns, lookup.ns, answer.ns, resp.ns, load_job.ns, loaded.ns, first_token)
+        hops = {h: (b - a) / 1e6 for h, a, b in zip(HOPS, marks, marks[1:])}
+        cpu = {h: cpu_between(rows, side, a, b) for h, side, a, b in
+               zip(HOPS[1:-1], "SSPPP", marks[1:], marks[2:])}
+        out.append({"rid": rid, "ttft_ms": (first_token - sent) / 1e6, "hops_ms": hops, "worker_cpu_ms": cpu})
+    return out
+
+
+def main() -> int:
+    ps = pulls(sys.argv[1])
+    if not ps:
+        raise SystemExit("no complete pull in the trace")
+    print("pull      " + " ".join(f"{h:>8}" for h in HOPS) + "     ttft   (ms)")
+    for p in ps:
+        print(f"{p['rid'][4:12]:9} " + " ".join(f"{p['hops_ms'][h]:8.1f}" for h in HOPS) + f" {p['ttft_ms']:8.1f}")
+    print("median    " + " ".join(f"{statistics.median(p['hops_ms'][h] for p in ps):8.1f}" for h in HOPS)
+          + f" {statistics.median(p['ttft_ms'] for p in ps):8.1f}")
+    slow = [(p, h) for p in ps for h in HOPS[1:-1] if p["hops_ms"][h] > 20]
+    for p, h in slow:
+        print(f"  {p['rid'][4:12]} {h}: {p['hops_ms'][h]:.1f} ms wall, {p['worker_cpu_ms'][h]:.2f} ms of worker CPU")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
