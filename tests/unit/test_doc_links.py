@@ -32,7 +32,7 @@ def _rel(p: Path) -> str:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
-def broken_links(page: Path) -> list[str]:
+def broken_links(page: Path, root: Path = ROOT) -> list[str]:
     body = FENCE.sub("", page.read_text())
     bad = []
     for target in LINK.findall(body):
@@ -40,7 +40,9 @@ def broken_links(page: Path) -> list[str]:
             continue
         path, _, frag = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
+        if not dest.is_relative_to(root):  # a clone has only what is inside it
+            bad.append(f"{target}: outside the repository")
+        elif not dest.exists():
             bad.append(f"{target}: no {_rel(dest)}")
         elif frag and dest.suffix == ".md" and frag not in anchors(dest):
             bad.append(f"{target}: no heading #{frag} in {_rel(dest)}")
@@ -55,8 +57,11 @@ def test_every_relative_link_in_the_docs_resolves():
 
 
 def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path):
-    page = tmp_path / "page.md"
-    (tmp_path / "there.md").write_text("# A heading: with `code`\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (tmp_path / "outside.md").write_text("# Elsewhere\n")
+    page = repo / "page.md"
+    (repo / "there.md").write_text("# A heading: with `code`\n")
     page.write_text("[ok](there.md#a-heading-with-code) [gone](nothere.md) [bad](there.md#nope) [web](https://x.y)\n"
-                    "```\n[in a fence](ignored.md)\n```\n")
-    assert [b.split(":")[0] for b in broken_links(page)] == ["nothere.md", "there.md#nope"]
+                    "[out](../outside.md)\n```\n[in a fence](ignored.md)\n```\n")
+    assert [b.split(":")[0] for b in broken_links(page, repo)] == ["nothere.md", "there.md#nope", "../outside.md"]

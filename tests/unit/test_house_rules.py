@@ -1,0 +1,72 @@
+"""The layout rules a newcomer relies on, checked rather than promised (docs/architecture.md): rooms of a few hundred
+lines, every "invariant N" in the code defined in docs/invariants.md, history kept in commit messages (no
+"session N"/"issue N" in the tree), and nothing pointing outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("p2pworker", "vllm_adapter")
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 300
+MAX_WORKER_LINES = 250
+TEXT_DIRS = ("p2pworker", "vllm_adapter", "tests", "benchmarks", "docs", "scripts", "configs", "deploy")
+
+
+def _sources() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _texts() -> list[Path]:
+    out = [ROOT / "README.md"]
+    for d in TEXT_DIRS:
+        out += [p for p in (ROOT / d).rglob("*") if p.is_file() and p.suffix in {".py", ".md", ".sh", ".toml",
+                                                                                  ".yaml", ".yml", ".json"}
+                and "results" not in p.parts]
+    return sorted(out)
+
+
+def _rel(p: Path) -> str:
+    return str(p.relative_to(ROOT))
+
+
+def test_no_module_of_the_packages_is_over_its_limit():
+    big = {_rel(p): n for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+
+
+def test_no_class_is_over_its_limit_and_the_worker_stays_small():
+    sizes = {}
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                sizes[f"{_rel(p)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert sizes["p2pworker/worker/loop.py:Worker"] <= MAX_WORKER_LINES
+    big = {k: v for k, v in sizes.items() if v > MAX_CLASS_LINES}
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
+
+
+def test_every_invariant_the_code_names_is_defined_in_the_docs():
+    defined = {int(n) for n in re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "invariants.md").read_text(), re.M)}
+    named = {}
+    for p in _sources():
+        for n in re.findall(r"[Ii]nvariants? (\d+)", p.read_text()):
+            named.setdefault(int(n), _rel(p))
+    assert named, "no invariant is named in the code: the pattern is stale"
+    assert not {n: f for n, f in named.items() if n not in defined}, f"defined: {sorted(defined)}"
+
+
+@pytest.mark.parametrize("pattern, why", [
+    (r"\b(?:session|issue) \d+\b", "history belongs in commit messages"),
+    (r"\.\./shared\b", "the repository carries its own design docs"),
+])
+def test_the_tree_holds_no_history_and_no_pointer_outside_it(pattern, why):
+    rx = re.compile(pattern, re.I)
+    hits = [f"{_rel(p)}:{i}" for p in _texts() if p.resolve() != Path(__file__).resolve()
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if rx.search(line)]
+    assert not hits, f"{why}: {hits[:10]}"
