@@ -57,9 +57,11 @@ def load(trace_dir: str) -> list[Row]:
     return rows
 
 
-def first(rows: list[Row], side: str, tag: str, what: str, rid: str | None = None, after: int = 0) -> Row | None:
-    """The first row of ``side`` with ``tag`` whose info starts with ``what`` (and names ``rid``) at or after ns."""
-    i = bisect.bisect_left([r.ns for r in rows], after)
+def first(rows: list[Row], times: list[int], side: str, tag: str, what: str, rid: str | None = None,
+          after: int = 0) -> Row | None:
+    """The first row of ``side`` with ``tag`` whose info starts with ``what`` (and names ``rid``) at or after ns
+    (``times``: the rows' ns, sorted, built once)."""
+    i = bisect.bisect_left(times, after)
     for r in rows[i:]:
         if r.side == side and r.tag == tag and r.info and r.info[0] == what and (rid is None or rid in r.info):
             return r
@@ -74,18 +76,19 @@ def cpu_between(rows: list[Row], side: str, t0: int, t1: int) -> float:
 
 def pulls(trace_dir: str) -> list[dict]:
     rows = load(trace_dir)
+    times = [r.ns for r in rows]
     out = []
     for line in open(os.path.join(trace_dir, "ttft.txt")):
         sent, first_token, rid = line.split()
         if rid == "-":
             continue  # not a pull
         sent, first_token = int(sent), int(first_token)
-        keys = first(rows, "P", "cmd", "LookupKeys", rid, sent)
-        lookup = keys and first(rows, "S", "dec", "Lookup", rid, keys.ns)
-        answer = lookup and first(rows, "S", "cmd", "AnswerLookup", None, lookup.ns)
-        resp = answer and first(rows, "P", "dec", "LookupResp", None, answer.ns)
-        load_job = resp and first(rows, "P", "cmd", "LoadJob", rid, resp.ns)
-        loaded = load_job and first(rows, "P", "evt_put", "load", None, load_job.ns)
+        keys = first(rows, times, "P", "cmd", "LookupKeys", rid, sent)
+        lookup = keys and first(rows, times, "S", "dec", "Lookup", rid, keys.ns)
+        answer = lookup and first(rows, times, "S", "cmd", "AnswerLookup", None, lookup.ns)
+        resp = answer and first(rows, times, "P", "dec", "LookupResp", None, answer.ns)
+        load_job = resp and first(rows, times, "P", "cmd", "LoadJob", rid, resp.ns)
+        loaded = load_job and first(rows, times, "P", "evt_put", "load", None, load_job.ns)
         if not loaded:
             print(f"{rid}: incomplete trace, skipped", file=sys.stderr)
             continue
