@@ -10,6 +10,9 @@ producer stores N chunks for a request with ``remote_decoder`` (the cascade park
 consumer, given ``remote_prefiller``, runs lookup -> promotion -> lookup until every chunk is HIT and
 checks the bytes.
 
+Before and after a change, side by side: ``git worktree add /tmp/base REV``, then ``--tiers ours,ours-base
+--base-tree /tmp/base`` runs this tree's tier and worker and REV's, alternated block by block like any two tiers.
+
 Only one tier's processes are alive while it is measured (the in-tree tier's engines each spin a NIXL progress
 thread: measured side by side, they would take the CPUs from the other tier): per geometry, ``--blocks`` blocks,
 each starting a fresh pair of one tier, running ``--reps`` requests, and stopping it, the tiers alternated and the
@@ -46,6 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.helpers.ports import free_ports  # noqa: E402  (ports below the ephemeral range: no other bind(0) takes them)
 
+BASE_TREE_ENV = "PD_TIER_BASE_TREE"  # --base-tree, for the spawned schedulers of kind ours-base
 TIER_METHODS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "on_new_request",
                 "on_request_finished", "serve_external_requests", "has_pending_work", "on_schedule_end", "touch",
                 "take_events", "get_stats")
@@ -165,13 +169,27 @@ def _hop_install(tier, role):
         TR.append((time.monotonic_ns(), "finished", job_id, th(), int(success)))
         return fin0(job_id, success, *a, **k)
     tier.jobs.finish = finish
-    pump0 = tier._pump
-
-    def pump():
-        TR.append((time.monotonic_ns(), "pump", th()))
-        return pump0()
-    tier._pump = pump
+    tier.instruments.trace = TR  # _BenchInstruments.on_pump writes the "pump" rows
     return TR
+
+
+def _bench_instruments(open_ahead: bool):
+    """The tier's instruments for this benchmark: ``ours-noahead`` vetoes opening a session ahead (the first load
+    opens it, as before on_new_request did); with $HOPTRACE_DIR, a "pump" row each time the tier collects events."""
+    from vllm_adapter.instruments import TierInstruments
+
+    class _BenchInstruments(TierInstruments):
+        trace: list | None = None
+
+        def on_pump(self) -> None:
+            if self.trace is not None:
+                self.trace.append((time.monotonic_ns(), "pump",
+                                   "main" if threading.current_thread() is threading.main_thread() else "poll"))
+
+        def on_open_ahead(self, address: str) -> bool:
+            return open_ahead
+
+    return _BenchInstruments()
 
 
 def _hop_acc(mgr, tier):
@@ -254,8 +272,8 @@ class _Scheduler:
     def __init__(self, kind: str, role: str, row: int, mgr, kv):
         self.kind, self.row, self.mgr, self.kv = kind, row, mgr, kv
         tier = mgr.secondary_tiers[0]
-        if kind == "ours-noahead":  # the session is opened by the first load, as before on_new_request opened it
-            tier._open_ahead = lambda address: None
+        if kind.startswith("ours"):  # the tier's named points (vllm_adapter/instruments.py)
+            tier.instruments = _bench_instruments(open_ahead=kind != "ours-noahead")
         # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
         self.TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
         self.ACC = _hop_acc(mgr, tier) if self.TR is not None else None
@@ -386,6 +404,8 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
            tier_extra: dict | None = None) -> None:
     """One scheduler: steps every 1 ms; runs commands from the parent between steps."""
     os.environ.setdefault("P2PWORKER_SECRET", "pd-tier-bench")
+    if kind == "ours-base":  # another revision's tier and worker: its tree first on this process's path and theirs
+        _use_base_tree(os.environ[BASE_TREE_ENV])
     from vllm.v1.kv_offload import base as kv
 
     try:
@@ -413,6 +433,16 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
             mgr.shutdown()
         with contextlib.suppress(OSError):
             conn.send("closed")
+
+
+def _use_base_tree(tree: str) -> None:
+    """Import the tier (and start the worker) from ``tree``: nothing of ours is imported in this spawned process
+    yet, and the worker it starts inherits PYTHONPATH."""
+    mine = [m for m in sys.modules if m.split(".")[0] in ("p2pworker", "vllm_adapter")]
+    if mine:
+        raise RuntimeError(f"ours-base: {mine[:3]} imported before the base tree was put first")
+    sys.path.insert(0, tree)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
 
 
 class Pair:
@@ -606,14 +636,21 @@ def main() -> None:
     ap.add_argument("--hog", action="store_true", help="a busy neighbour process spins throughout")
     ap.add_argument("--geometries", default="16384x64,16384x512,262144x64,262144x512", help="ROW_BYTESxCHUNKS,...")
     ap.add_argument("--tiers", default="ours,intree",
-                    help="ours, ours-listed (the decode tier lists the prefill worker in `peers`), ours-noprefault "
+                    help="ours, ours-base (ours from --base-tree: another revision, alternated with this one), "
+                         "ours-listed (the decode tier lists the prefill worker in `peers`), ours-noprefault "
                          "([data] prefault_peers = false), ours-noahead (the session opened by the first load, "
                          "not at on_new_request), ours-2copy ([data] copy_threads = 2; the default is 1 below 4 "
                          "CPUs), intree, ideal (a floor: vLLM's own passes and one in-process copy on a thread), "
                          "ideal-nocopy (vLLM's own passes alone; no byte check); "
                          "benchmarks/ideal_tier.py")
     ap.add_argument("--json", metavar="FILE", help="also write every figure (per method) to FILE")
+    ap.add_argument("--base-tree", metavar="DIR", help="a checkout of another revision (git worktree add DIR REV) "
+                    "for --tiers ours-base; its schedulers import the tier from DIR and start DIR's worker")
     a = ap.parse_args()
+    if "ours-base" in a.tiers.split(","):
+        if not a.base_tree or not os.path.isfile(os.path.join(a.base_tree, "vllm_adapter", "tier.py")):
+            sys.exit("pd_tier: --tiers ours-base needs --base-tree DIR, a checkout with vllm_adapter/tier.py")
+        os.environ[BASE_TREE_ENV] = os.path.abspath(a.base_tree)  # the spawned schedulers inherit it
     import vllm
 
     if "intree" in a.tiers.split(","):
@@ -684,6 +721,14 @@ def _report(results: dict, blocks: dict[str, list[list[dict]]], row: int, n: int
             "producer_sched_time_intree_over_ours": round(
                 g["intree"]["producer"]["per_request_ms"] / max(1e-9, g["ours"]["producer"]["per_request_ms"]), 1),
         }
+    if "ours" in g and "ours-base" in g:  # this tree against the base revision, same blocks, alternated
+        g.setdefault("ratios", {}).update({
+            "warm_ours_over_base": round(g["ours"]["warm_ms"] / g["ours-base"]["warm_ms"], 2),
+            "cold_ours_over_base": round(g["ours"]["cold_ms"] / g["ours-base"]["cold_ms"], 2),
+            "consumer_sched_ours_over_base": round(
+                g["ours"]["consumer"]["per_request_ms"] / max(1e-9, g["ours-base"]["consumer"]["per_request_ms"]), 2),
+            "producer_sched_ours_over_base": round(
+                g["ours"]["producer"]["per_request_ms"] / max(1e-9, g["ours-base"]["producer"]["per_request_ms"]), 2)})
     for floor in ("ideal", "ideal-nocopy"):  # warm time over a floor's: how far each contender is from it (in-tree
         # over ideal-nocopy bounds, in that run, the ratio any tier could reach against the in-tree tier)
         if floor in g:

@@ -59,6 +59,7 @@ from p2pworker.session.session import longest_hold_s
 from p2pworker.shm.maps import handle_for_range
 from vllm_adapter.engine_hook import EngineCore, IdleWaker, find_engine_core
 from vllm_adapter.finished import RECENT_FINISHED_MAX, RECENT_FINISHED_S, REPLAY_IN_RING_MAX, FinishedReplay
+from vllm_adapter.instruments import TierInstruments
 from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind, OpenJob
 from vllm_adapter.lookups import AskedLookups, PeerLookups
 from vllm_adapter.metrics import M_DEATHS, M_IN_FLIGHT, M_LOADS, M_RESTARTS, M_STORES, TIER_METRICS, TierMetrics
@@ -151,6 +152,7 @@ class P2PWorkerTier(SecondaryTierManager):
         # tier-poll thread) woken when our worker has something for us while it idles.
         self.engine: EngineCore | None = find_engine_core(sys._getframe(1))
         self._last_call = time.monotonic()  # when vLLM last called _pump (the waker's notion of idle)
+        self.instruments = TierInstruments()  # named points for benchmark/test code (vllm_adapter/instruments.py)
         poll_s = float(getattr(offloading_spec, "tier_poll_interval_s", 0.0) or 0.0)  # 0.33's poll thread
         self.waker: IdleWaker | None = _waker(self.engine, poll_s, lambda: self._last_call, self.worker_name)
         self.supervisor.start()
@@ -211,6 +213,7 @@ class P2PWorkerTier(SecondaryTierManager):
     # ------------------------------------------------------------ the pump
     def _pump(self) -> None:
         """Collect worker events; notice a dead or wedged worker; restart one when due.  Never blocks."""
+        self.instruments.on_pump()
         self._last_call = time.monotonic()
         if self.engine is not None and self.jobs.open and self.engine.stopping():
             self.jobs.end_parked_for_stop(self.engine)
@@ -256,7 +259,7 @@ class P2PWorkerTier(SecondaryTierManager):
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         role = parse_role(req_context.kv_transfer_params)
         req_context.set_state(role)
-        if role.kind.loads:
+        if role.kind.loads and self.instruments.on_open_ahead(role.address):
             self._open_ahead(role.address)
         if role.kind.produces:  # every block of the request, pulled or cached ones too, is cascaded to us
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)

@@ -335,3 +335,17 @@ class ClientRole(SessionCore):
     @property
     def open_loads(self) -> int:
         return len(self._loads)
+
+    @property
+    def last_round(self) -> int:
+        """The highest round this session issued (rounds grow worker-wide)."""
+        return self._max_round
+
+    def open_rounds(self) -> frozenset[int]:
+        """The rounds of this session's loads not reported yet."""
+        return frozenset(self._loads)
+
+    def load_phase(self, round_: int) -> LoadPhase | None:
+        """Where this session's load of ``round_`` stands; None once it is reported (or was never ours)."""
+        load = self._loads.get(round_)
+        return None if load is None else load.phase

@@ -106,6 +106,7 @@ class ActionRunner:
             return
         s = run.s
         lane = self.w.lanes.switch.sending_lane(run.link, s)
+        self.w.instruments.on_send(run.link, a.msg, lane is not None)
         try:
             if lane is not None:
                 lane.send(encode(a.msg))  # LaneUp went out on the link: from then on, only the lane
@@ -194,6 +195,7 @@ class ActionRunner:
         return True
 
     def read_result(self, tid: int, ok: bool, reason: str) -> None:
+        self.w.instruments.on_read_settled(tid, ok)
         read = self.reads.pop(tid)
         if read is None:
             self.w.counters["unowned_transfers"] += 1

@@ -42,8 +42,8 @@ def attach(cfg: WorkerConfig, cmd: api.AttachRegion, reporter: Reporter, clock: 
         raise RingApiMismatch(why, cmd.api, api.RING_API)
     copy_threads = cfg.data.copy_threads or auto_copy_threads(available_cpus())
     region = KVRegion.attach(cmd.handle, populate=cfg.prefault)
-    ctl = None
-    try:
+    ctl = data = None
+    try:  # every step after the mapping: whichever fails, what the ones before it opened is closed again
         fingerprint = Fingerprint.build(
             block_bytes=region.block_bytes, protocol_version=PROTOCOL_VERSION, identity=cmd.identity
         )
@@ -55,19 +55,25 @@ def attach(cfg: WorkerConfig, cmd: api.AttachRegion, reporter: Reporter, clock: 
             copy_threads=copy_threads,
             prefault_peers=cfg.data.prefault_peers,
         )
+        lot = ParkingLot(reporter, clock, block_bytes=region.block_bytes,
+                         park_timeout_s=cfg.session.park_timeout_s,
+                         park_unfinished_s=cfg.session.park_unfinished_s)
+        ctx = SessionContext(
+            node_id=ctl.node_id, data_info=data.local_info(), fingerprint=fingerprint,
+            reporter=reporter, lot=lot, clock=clock, config=cfg.session,
+            lanes=cfg.data.same_host and cfg.data.lane and data.lane_server() is not None,
+        )
     except BaseException:
-        if ctl is not None:
-            ctl.close()
-        region.close()
+        try:
+            if data is not None:
+                data.close()  # nothing is posted yet: no read can be in flight (invariant 7 holds trivially)
+        finally:
+            try:
+                if ctl is not None:
+                    ctl.close()
+            finally:
+                region.close()
         raise
-    lot = ParkingLot(reporter, clock, block_bytes=region.block_bytes,
-                     park_timeout_s=cfg.session.park_timeout_s,
-                     park_unfinished_s=cfg.session.park_unfinished_s)
-    ctx = SessionContext(
-        node_id=ctl.node_id, data_info=data.local_info(), fingerprint=fingerprint,
-        reporter=reporter, lot=lot, clock=clock, config=cfg.session,
-        lanes=cfg.data.same_host and cfg.data.lane and data.lane_server() is not None,
-    )
     log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s, same-host copies on %d "
              "thread(s)", region.num_blocks, region.block_bytes, ctl.address, data.backend,
              fingerprint.digest, copy_threads)

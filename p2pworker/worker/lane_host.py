@@ -65,8 +65,10 @@ class LaneHost:
 
     def lane_up(self, link: str, s: Session, lane: Lane) -> None:
         """Switch ``s``'s messages to ``lane``: LaneUp on the control link first, then only the lane."""
+        up = LaneUp()
+        self.w.instruments.on_send(link, up, False)
         try:
-            self.w.ctl.send(link, encode(LaneUp()))
+            self.w.ctl.send(link, encode(up))
         except P2PError as e:
             log.info("no same-host lane to %s: %s", s.peer_id or link, e)
             lane.close()

@@ -272,7 +272,9 @@ class Worker:
         timeout_s = poll_timeout_s(self.cfg, busy=busy, now=self.clock(), next_tick=self.timers.tick.next_at,
                                    offering=lot.offering if lot is not None else 0,
                                    last_offer_at=lot.last_offer_at if lot is not None else -float("inf"))
+        self.instruments.on_sleep(timeout_s)
         self.sleeper.sleep(timeout_s, self._epoch(), self._sleep_sources, room_wanted=self.outbox.waiting)
+        self.instruments.on_woke()
 
     def _sleep_sources(self) -> list:
         server = self.data.lane_server() if self.data is not None else None
@@ -283,6 +285,7 @@ class Worker:
     def shutdown(self) -> None:
         """Fail or finish every job once, drain transfers, deregister, unmap, close the rings (shutdown.py)."""
         self.phase = next_phase(self.phase, PhaseEvent.STOP)
+        self.instruments.on_stop()
         shut_down(self)
 
     def status(self) -> dict:

@@ -84,6 +84,7 @@ class EventOutbox:
                 self.counters["event_ring_full"] += 1
                 return
             ev = self.pending.popleft()
+            self.owner.instruments.on_event(ev)
             if isinstance(ev, api.JobFinished):
                 self.counters[f"jobs_{ev.kind}_{'ok' if ev.success else 'failed'}"] += 1
                 if self.metrics is not None:

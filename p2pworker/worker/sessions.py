@@ -203,6 +203,7 @@ class SessionHost:
             self._link_down(ev)
 
     def _received(self, ev: Received, lane: bool) -> None:
+        self.w.instruments.on_received(ev.link, ev.payload, lane)
         s = self.sessions.get(ev.link)
         if s is None:
             return

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from p2pworker import api, worker
 from p2pworker.instruments import Instruments
+from p2pworker.protocol.messages import Bye
 from p2pworker.session.reporter import JobDone
 
 
@@ -24,6 +25,9 @@ def test_the_default_instruments_do_nothing_and_pass_the_ready_through():
     assert ins.on_command(api.Drain()) is None
     assert ins.on_attach(None) is None
     assert ins.on_job_done(JobDone(1, "load", True, (), 0, 0.0, "")) is None
+    watched = (ins.on_send("l", Bye("x"), False), ins.on_received("l", b"", True), ins.on_read_settled(1, True),
+               ins.on_event(api.Drained()), ins.on_sleep(0.5), ins.on_woke(), ins.on_stop())
+    assert watched == (None,) * 7
 
 
 def test_the_worker_calls_every_instrument_point_and_nothing_else_of_them():
@@ -31,7 +35,8 @@ def test_the_worker_calls_every_instrument_point_and_nothing_else_of_them():
     called = {node.func.attr for tree in trees for node in ast.walk(tree)
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "instruments"}
-    assert _points() == {"on_command", "on_attach", "on_ready", "on_job_done"}
+    assert _points() == {"on_command", "on_attach", "on_ready", "on_job_done", "on_send", "on_received",
+                         "on_read_settled", "on_event", "on_sleep", "on_woke", "on_stop"}
     assert called == _points(), f"declared {sorted(_points())}, called {sorted(called)}"
 
 
@@ -40,8 +45,9 @@ def test_the_hooks_the_suite_uses_implement_only_declared_points():
     import tests.hooks.failed_attach_stuck as failed
     import tests.hooks.old_release as old
     import tests.hooks.stuck_attach as stuck
+    import benchmarks.hops.trace_hook as trace  # the benchmarks' tracing hook: the same rule
 
-    for module in (corrupt, failed, old, stuck):
+    for module in (corrupt, failed, old, stuck, trace):
         classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
                    if issubclass(c, Instruments) and c is not Instruments]
         assert classes, f"{module.__name__}: no Instruments subclass"

@@ -338,7 +338,7 @@ def test_consumer_deadline_cancels_waits_for_its_reads_then_reports_and_releases
     p.advance(30)
     p.a.tick()
     assert r.cancelled and not jobs(p.a.events()), "reported while a read could still land"
-    assert p.sa._loads[1].phase is LoadPhase.SETTLING
+    assert p.sa.load_phase(1) is LoadPhase.SETTLING
     p.a.copy(r.tid, p.b)  # the stalled copy finishes after all...
     p.a.settle(r.tid, ok=True)  # ...and reports DONE, past the deadline
     a = jobs(p.a.events())[100]
@@ -520,7 +520,7 @@ def test_reads_that_never_settle_are_never_reported_the_worker_is_asked_to_exit(
     [(s, why)] = p.a.aborts
     assert s is p.sa
     assert "did not settle within 3 s" in why and p.sa.counters.unsettled_reads == 1
-    assert p.sa._loads[1].phase is LoadPhase.STUCK
+    assert p.sa.load_phase(1) is LoadPhase.STUCK
     p.advance(10.0)
     assert p.sa.tick() == []  # one Abort is enough: the worker exits on it
     [r] = p.a.data.log
@@ -573,10 +573,10 @@ def test_rounds_are_unique_across_sessions_of_one_worker():
     """A reconnect's new session must not reuse a round number (the old design dropped its round 0 as stale)."""
     p = Pair().handshake()
     p.a.load(100, "req", [b"a"], [0])
-    first = p.sa._loads.copy()
+    first = p.sa.open_rounds()
     s2 = p.a.new_session(link="out-2")
     p.a.run(s2, s2.load(101, "req", [b"b"], [1]))
-    assert set(first).isdisjoint(s2._loads)
+    assert first and first.isdisjoint(s2.open_rounds())
 
 
 def test_late_offer_after_the_report_is_ignored_and_an_unknown_release_is_counted():

@@ -92,27 +92,28 @@ def test_start_twice_is_refused():
 
 # ---------------------------------------------------------------- a load
 def _load_in(phase: LoadPhase):
-    """A pair whose consumer has one load in ``phase`` (a read pending from FINAL on); returns (pair, load)."""
+    """A pair whose consumer has one load in ``phase`` (a read pending from FINAL on); returns (pair, its round)."""
     p = Pair(a={"config": CFG}).handshake()
     if phase is not LoadPhase.WAITING:
         p.b.store(1, "req", KEYS[:1], [10])
     p.a.load(100, "req", KEYS[:1], [0])
     p.deliver()
-    load = p.sa._loads[p.sa._max_round]
+    rnd = p.sa.last_round
     if phase in (LoadPhase.SETTLING, LoadPhase.STUCK):
         p.advance(CFG.load_timeout_s)
         p.a.tick()
     if phase is LoadPhase.STUCK:
         p.advance(CFG.settle_timeout_s)
         p.a.tick()
-    assert load.phase is phase
-    return p, load
+    assert p.sa.load_phase(rnd) is phase
+    return p, rnd
 
 
-def _apply(p: Pair, load, event: LoadEvent) -> None:
+def _apply(p: Pair, rnd: int, event: LoadEvent) -> None:
+    phase = p.sa.load_phase(rnd)
     if event is LoadEvent.FINAL_OFFER:
-        keys, rows = ([KEYS[0]], [10]) if load.phase is LoadPhase.WAITING else ([], [])  # WAITING: one to read
-        p.a.receive(m.encode(m.Offer("req", load.round, keys, rows, True, "final")))
+        keys, rows = ([KEYS[0]], [10]) if phase is LoadPhase.WAITING else ([], [])  # WAITING: one to read
+        p.a.receive(m.encode(m.Offer("req", rnd, keys, rows, True, "final")))
     elif event is LoadEvent.DEADLINE:
         p.advance(CFG.load_timeout_s)
         p.a.tick()
@@ -125,7 +126,7 @@ def _apply(p: Pair, load, event: LoadEvent) -> None:
         p.a.tick()
     elif event is LoadEvent.SETTLED:
         for tid in list(p.a.data.reads):
-            p.a.settle(tid, ok=load.phase is LoadPhase.FINAL)
+            p.a.settle(tid, ok=phase is LoadPhase.FINAL)
 
 
 LOAD_ROWS = [k for k in LOAD_MOVES if k[1] is not LoadEvent.NO_HANDSHAKE]
@@ -134,12 +135,12 @@ LOAD_ROWS = [k for k in LOAD_MOVES if k[1] is not LoadEvent.NO_HANDSHAKE]
 @pytest.mark.parametrize("row", LOAD_ROWS, ids=[f"{s.name}-{e.name}" for s, e in LOAD_ROWS])
 def test_every_load_move_is_taken(row, taken):
     phase, event = row
-    p, load = _load_in(phase)
+    p, rnd = _load_in(phase)
     del taken[:]
-    _apply(p, load, event)
+    _apply(p, rnd, event)
     assert [t for t in taken if isinstance(t[0], LoadPhase)][0] == (phase, event, LOAD_MOVES[row])
     if LOAD_MOVES[row] is LoadPhase.REPORTED:
-        assert p.a.reporter.open_jobs == 0 and 100 not in p.sa._loads
+        assert p.a.reporter.open_jobs == 0 and p.sa.load_phase(rnd) is None and not p.sa.open_rounds()
 
 
 def test_a_load_that_never_met_its_peer_fails_at_the_handshake_timeout(taken):
@@ -153,12 +154,12 @@ def test_a_load_that_never_met_its_peer_fails_at_the_handshake_timeout(taken):
 
 
 def test_a_stuck_load_asks_the_worker_to_exit_once(taken):
-    p, load = _load_in(LoadPhase.STUCK)
+    p, rnd = _load_in(LoadPhase.STUCK)
     [(s, why)] = p.a.aborts
     assert s is p.sa and "did not settle within 3 s" in why
     p.advance(100.0)
     p.a.tick()
-    assert len(p.a.aborts) == 1 and load.phase is LoadPhase.STUCK
+    assert len(p.a.aborts) == 1 and p.sa.load_phase(rnd) is LoadPhase.STUCK
 
 
 # ---------------------------------------------------------------- a lease
