@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Callable
 
 from p2pworker import api
 from p2pworker.errors import P2PError
@@ -25,7 +26,9 @@ REPLAY_IN_RING_MAX = api.RING_NSLOTS // 2
 
 
 class FinishedReplay:
-    def __init__(self, name: str, supervisor: WorkerSupervisor, outbox: Outbox):
+    def __init__(self, name: str, supervisor: WorkerSupervisor, outbox: Outbox,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # monotonic seconds; tests pass their own
         self._name, self._supervisor, self._outbox = name, supervisor, outbox
         # producer requests finished lately (kv_request_id -> when): replayed to a restarted worker so a
         # consumer's fetch for them is answered "nothing here" at once instead of after fetch_timeout_s
@@ -36,14 +39,14 @@ class FinishedReplay:
 
     def finished(self, rid: str) -> None:
         """A producer request ended: remembered, and told to the worker."""
-        self._recent[rid] = time.monotonic()
+        self._recent[rid] = self.clock()
         self._recent.move_to_end(rid)
         if len(self._recent) > RECENT_FINISHED_MAX:
             self._recent.popitem(last=False)
         self._tell(rid)
 
     def _trim(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         while self._recent and next(iter(self._recent.values())) < now - RECENT_FINISHED_S:
             self._recent.popitem(last=False)
 

@@ -10,7 +10,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -44,7 +44,8 @@ class OpenJob:
 
 
 class JobBook:
-    def __init__(self, name: str, outbox: Outbox, counts: Counts):
+    def __init__(self, name: str, outbox: Outbox, counts: Counts, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # monotonic seconds; tests pass their own
         self.open: dict[int, OpenJob] = {}  # submitted to the worker, not yet reported to vLLM
         self.results: list[JobResult] = []  # reported by the worker (or failed here), not yet handed to vLLM
         self.failed_req_ids: set[str] = set()  # requests whose load failed: their lookups MISS
@@ -65,7 +66,7 @@ class JobBook:
         """Open ``job`` and queue its command; a job the worker cannot take (past the key limit, ``send`` False, no
         serving worker) fails now with ``refused`` as its reason.  True: queued."""
         keys = list(job.keys)  # OffloadKey is bytes
-        self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, time.monotonic() if now is None else now)
+        self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, self.clock() if now is None else now)
         if len(keys) > api.MAX_JOB_KEYS:
             self.finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
             return False
@@ -112,7 +113,7 @@ class JobBook:
 
     def fail_all(self) -> None:
         """The worker is gone: every open job fails, once."""
-        now = time.monotonic()
+        now = self.clock()
         for job_id, job in list(self.open.items()):
             self.finish(job_id, False, None, now - job.t0, None)
 
@@ -128,7 +129,7 @@ class JobBook:
         and leaves the region file behind.  The worker ends the parked stores no consumer is reading (a lease holds
         its rows until the consumer's Release or the lease's end: invariant 7), now and every STOP_RESET_S while
         jobs are open; loads go on (their requests finish in the drain)."""
-        now = time.monotonic()
+        now = self.clock()
         if self._stop_reset_at is not None and now < self._stop_reset_at:
             return
         if self._stop_reset_at is None:

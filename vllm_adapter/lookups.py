@@ -96,6 +96,11 @@ class AskedLookups:
         if asked is None:
             return
         answers = self._answers.setdefault(rid, {})
+        if present is not None and len(present) != len(keys):
+            # one flag per key asked, or the answer means nothing: MISS for all (zip would drop the tail, and those
+            # keys would answer RETRY forever, never asked again)
+            log.error("lookup answer for %s has %d flags for %d keys: MISS for all", rid, len(present), len(keys))
+            present = None
         for k, p in zip(keys, present if present is not None else [False] * len(keys)):
             answers[k] = bool(p)
             asked.discard(k)
