@@ -37,6 +37,7 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -410,6 +411,12 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
 
     try:
         mgr = build(kind, role, port, row, num_chunks, peer_port, tier_extra)
+        if kind == "ours-base":
+            try:
+                _check_base_tree(os.environ[BASE_TREE_ENV])
+            except BaseException:
+                mgr.shutdown()
+                raise
     except BaseException:
         # vLLM's get_manager already undid what it built (tiers shut down, region unlinked); the parent gets why
         conn.send(Failed(role, traceback.format_exc()))
@@ -437,12 +444,33 @@ def _serve(kind: str, role: str, port: int, row: int, num_chunks: int, conn, pee
 
 def _use_base_tree(tree: str) -> None:
     """Import the tier (and start the worker) from ``tree``: nothing of ours is imported in this spawned process
-    yet, and the worker it starts inherits PYTHONPATH."""
+    yet.  The worker is started as ``python -m p2pworker.cli``, which puts its working directory first on its path
+    (before PYTHONPATH): so the working directory is the tree too.  _check_base_tree verifies both."""
     mine = [m for m in sys.modules if m.split(".")[0] in ("p2pworker", "vllm_adapter")]
     if mine:
         raise RuntimeError(f"ours-base: {mine[:3]} imported before the base tree was put first")
     sys.path.insert(0, tree)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+    os.chdir(tree)
+
+
+def _check_base_tree(tree: str) -> None:
+    """The tier this process built and every worker it started run ``tree``'s code, or this raises."""
+    tier_file = os.path.realpath(sys.modules["vllm_adapter.tier"].__file__)
+    if not tier_file.startswith(os.path.realpath(tree) + os.sep):
+        raise RuntimeError(f"ours-base: the tier came from {tier_file}, not from {tree}")
+    kids = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            kids.update(f.read().split())
+    workers = []
+    for pid in kids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"p2pworker.cli" in f.read():
+                    workers.append((pid, os.path.realpath(os.readlink(f"/proc/{pid}/cwd"))))
+    if not workers or any(cwd != os.path.realpath(tree) for _, cwd in workers):
+        raise RuntimeError(f"ours-base: workers {workers} do not all run in {tree}")
 
 
 class Pair:
@@ -656,7 +684,10 @@ def main() -> None:
     if "intree" in a.tiers.split(","):
         _check_intree_nixl()
 
-    results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {}}
+    results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {},
+               "revision": _revision(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    if a.base_tree:
+        results["base_revision"] = _revision(a.base_tree)
     # `timeout` or a service manager stops us with SIGTERM: unwind like Ctrl-C, so every finally below runs (the
     # open pair is closed, the hog stopped) instead of leaving schedulers and a spinning hog behind
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -685,6 +716,14 @@ def main() -> None:
         if a.json:  # what was measured before a failure is kept
             with open(a.json, "w") as f:
                 json.dump(results, f, indent=1)
+
+
+def _revision(tree: str) -> str:
+    """The tree's commit, with "+dirty" when its tracked files differ from it (what was measured, in the JSON)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", tree, *args], capture_output=True, text=True, timeout=30).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
+                                                    else "")
 
 
 def _check_intree_nixl() -> None:

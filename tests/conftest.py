@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import os
+import socket
 
 import pytest
 
@@ -40,6 +41,15 @@ def no_shm_leftovers_after_suite():
     assert not left, f"the suite left /dev/shm entries behind: {left}"
     admin_left = set(glob.glob("/tmp/p2pworker-*.admin")) - admin_before
     assert not admin_left, f"the suite left worker admin sockets behind: {sorted(admin_left)}"
+
+
+@pytest.fixture
+def seqpacket_pair():
+    """A connected AF_UNIX SEQPACKET pair (what a same-host lane is): closed after the test."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    yield a, b
+    a.close()
+    b.close()
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ cut it off.
 
     point          when                                                        may
     on_pump        vLLM called in and the tier is about to collect the         watch it (which thread, how often)
-                   worker's events (get_finished_jobs, or the start wait)
+                   worker's events (get_finished_jobs, drain_jobs; not the
+                   start wait in __init__, before outside code has the tier)
     on_open_ahead  a request that will load from ``address`` arrived; the      return False: the session is opened
                    tier is about to have the worker open that session now      by the first load instead
 """

@@ -1,7 +1,8 @@
 """The transfer worker: one event-loop thread that owns every ring, socket, NIXL handle and session.
 
 Rooms (one concern each; the loop calls them; unit-tested without processes in tests/unit/test_worker_rooms.py,
-tests/unit/test_worker_loop_rooms.py and, for the stop's order, tests/unit/test_worker_shutdown.py):
+tests/unit/test_worker_loop_rooms.py, tests/unit/test_worker_small_rooms.py and, for the stop's order,
+tests/unit/test_worker_shutdown.py):
 
     loop.py        Worker: the phase, the collaborators, one loop turn (step), sleeping, the test hook
     phase.py       WorkerPhase and PHASE_MOVES: RUNNING, DRAINING, DRAINED, STOPPING, as a table

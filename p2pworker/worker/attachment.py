@@ -64,18 +64,33 @@ def attach(cfg: WorkerConfig, cmd: api.AttachRegion, reporter: Reporter, clock: 
             lanes=cfg.data.same_host and cfg.data.lane and data.lane_server() is not None,
         )
     except BaseException:
-        try:
-            if data is not None:
-                data.close()  # nothing is posted yet: no read can be in flight (invariant 7 holds trivially)
-        finally:
-            try:
-                if ctl is not None:
-                    ctl.close()
-            finally:
-                region.close()
+        _undo(region, ctl, data)
         raise
     log.info("region attached (%d x %d B), control %s, data backend %s, fingerprint %s, same-host copies on %d "
              "thread(s)", region.num_blocks, region.block_bytes, ctl.address, data.backend,
              fingerprint.digest, copy_threads)
     return Attachment(region, ctl, data, ctx, fingerprint, copy_threads, dict(cmd.identity))
+
+
+def _undo(region: KVRegion, ctl: ControlTransport | None, data: DataTransport | None) -> None:
+    """Close what a failed attach opened, newest first; the caller re-raises the attach's own error (an error
+    closing one part is logged, not raised in its place).  The region is unmapped only after the data plane said
+    nothing can land in it any more (invariant 2): nothing is posted before attach returns, but a data plane that
+    cannot say so keeps the mapping (leaked) rather than unmap under a transfer."""
+    drained = True
+    if data is not None:
+        try:
+            drained = data.close()
+        except Exception:  # noqa: BLE001
+            drained = False
+            log.exception("undoing a failed attach: closing the data plane failed")
+    if ctl is not None:
+        try:
+            ctl.close()
+        except Exception:  # noqa: BLE001
+            log.exception("undoing a failed attach: closing the control transport failed")
+    if drained:
+        region.close()
+    else:
+        log.error("undoing a failed attach: the data plane did not drain; the region stays mapped")
 

@@ -285,7 +285,10 @@ class Worker:
     def shutdown(self) -> None:
         """Fail or finish every job once, drain transfers, deregister, unmap, close the rings (shutdown.py)."""
         self.phase = next_phase(self.phase, PhaseEvent.STOP)
-        self.instruments.on_stop()
+        try:
+            self.instruments.on_stop()
+        except Exception:  # noqa: BLE001  (hook code: whatever it raised, the orderly stop still runs)
+            log.exception("instrument point on_stop raised; stopping anyway")
         shut_down(self)
 
     def status(self) -> dict:

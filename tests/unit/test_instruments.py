@@ -54,3 +54,25 @@ def test_the_hooks_the_suite_uses_implement_only_declared_points():
         for cls in classes:
             own = {n for n in vars(cls) if n.startswith("on_")}
             assert own and own <= _points(), f"{cls.__name__} overrides {own - _points()} (not a point)"
+
+
+def test_no_hook_overwrites_a_private_name_of_ours():
+    """Hooks reach the worker through the points above; the tracing hook also wraps a few public methods of classes
+    (a renamed one fails its install with AttributeError).  None may replace a private method or attribute: the
+    names they set, wrap or loop over as attribute names are all public."""
+    root = Path(inspect.getsourcefile(worker)).parents[2]
+    modules = [*sorted((root / "tests" / "hooks").glob("*.py")), root / "benchmarks" / "hops" / "trace_hook.py"]
+    for path in modules:
+        tree = ast.parse(path.read_text())
+        named = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and isinstance(node.args[1].value, str):
+                named.append(node.args[1].value)  # setattr(obj, "name", ...), _wrap(cls, "name", ...)
+            elif isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple):
+                named += [e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                named.append(node.attr)  # worker.instruments = ..., cls.method = ...
+        private = [n for n in named if n.startswith("_") and not n.startswith("__")]
+        assert not private, f"{path.name} sets or wraps private names {private}"

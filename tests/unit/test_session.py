@@ -919,7 +919,7 @@ def test_lane_up_switches_the_peer_stream_once_and_for_good():
     p.a.receive(m.encode(m.LaneUp()))
     assert p.sa.lane_in and p.sa.state is State.ACTIVE
     p.a.load(1, "r", [b"k"], [0])
-    p.a.run(p.sa, p.sa.receive(m.encode(m.Offer("r", p.sa._max_round, [b"k"], [3])), lane=True))
+    p.a.run(p.sa, p.sa.receive(m.encode(m.Offer("r", p.sa.last_round, [b"k"], [3])), lane=True))
     assert p.sa.state is State.ACTIVE and len(p.a.data.reads) == 1  # on the lane: taken
     p.a.receive(m.encode(m.Offer("r", 99, [], [], True)))  # on the control link after LaneUp
     assert p.sa.state is State.CLOSED and "on the control link after lane_up" in p.sa.close_reason

@@ -4,7 +4,6 @@ outbox and command table (p2pworker/worker/)."""
 from __future__ import annotations
 
 import collections
-import socket
 import types
 import typing
 
@@ -95,46 +94,38 @@ class _Dial:
         self.closed = True
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    yield a, b
-    a.close()
-    b.close()
-
-
-def test_a_link_holds_one_lane_record_and_only_an_up_lane_carries_messages(pair):
+def test_a_link_holds_one_lane_record_and_only_an_up_lane_carries_messages(seqpacket_pair):
     clock = Clock(100.0)
     sw = LaneSwitch(1 << 20, 64, clock)
     s = _Session(lane_in=True)
-    sw.offer("L", s, pair[0])
+    sw.offer("L", s, seqpacket_pair[0])
     assert sw.state_of("L", s) == "control link" and sw.sending_lane("L", s) is None
     assert sw.fds() == []  # an offered lane waits silent: nothing to sleep on
     epoch = sw.epoch
     sw.up("L", s, sw.take_offered("L"))
     assert sw.state_of("L", s) == "up" and sw.sending_lane("L", s) is not None
     assert sw.sending_lane("L", _Session()) is None  # another session of the same link: not its lane
-    assert sw.epoch > epoch and sw.fds() == [pair[0].fileno()] and sw.polled()
+    assert sw.epoch > epoch and sw.fds() == [seqpacket_pair[0].fileno()] and sw.polled()
     sw.dial("L", s, ("ignored",), b"k", b"ids")  # a link with a lane dials nothing more
     assert list(sw.links) == ["L"] and sw.links["L"].stage is LaneStage.UP
     sw.drop("L", s)
-    assert not sw.links and pair[0].fileno() == -1
+    assert not sw.links and seqpacket_pair[0].fileno() == -1
 
 
-def test_lanes_not_taken_or_not_switched_in_time_are_given_up(pair):
+def test_lanes_not_taken_or_not_switched_in_time_are_given_up(seqpacket_pair):
     clock = Clock(100.0)
     sw = LaneSwitch(1 << 20, 64, clock)
     s = _Session()
     dial = _Dial(clock() + LANE_TIMEOUT_S)
     sw.links["D"] = LaneLink(s, LaneStage.DIALING, dial=dial, deadline=dial.deadline)
-    sw.offer("O", s, pair[0])
+    sw.offer("O", s, seqpacket_pair[0])
     assert sw.state_of("D", s) == "dialing" and sw.fds() == [99]
     clock.t += LANE_TIMEOUT_S
     sw.deadlines(clock())
     assert dial.closed and list(sw.links) == ["O"]  # the dial at its deadline; the offer lasts twice that
     clock.t += LANE_TIMEOUT_S
     sw.deadlines(clock())
-    assert not sw.links and pair[0].fileno() == -1
+    assert not sw.links and seqpacket_pair[0].fileno() == -1
 
 
 def test_a_dial_taken_after_its_deadline_is_dropped_not_switched():

@@ -182,6 +182,42 @@ def test_a_step_failing_after_the_data_plane_started_closes_it_and_the_control_a
     assert data.closed and ctl.closed and _mappings(path) == before
 
 
+class _UndrainedData(_Data):
+    """Fails like _LateFailingData, and then cannot say its transfers are over (close returns False)."""
+
+    def local_info(self):
+        raise RuntimeError("UCX worker address unavailable")
+
+    def close(self, timeout_s=10.0):
+        self.closed = True
+        return False
+
+
+class _CloseRaisesData(_LateFailingData):
+    def close(self, timeout_s=10.0):
+        self.closed = True
+        raise OSError("deregistration failed")
+
+
+@pytest.mark.parametrize("kind", [_UndrainedData, _CloseRaisesData], ids=["close-false", "close-raises"])
+def test_a_failed_attach_keeps_the_mapping_when_the_data_plane_cannot_say_it_drained(region, monkeypatch, kind):
+    # invariant 2: unmap only after the data plane said nothing can land; the attach's own error is what surfaces
+    _Ctl.made, made = [], []
+    monkeypatch.setattr(attachment, "ZmqControl", _Ctl)
+
+    def make(region, **kw):
+        made.append(kind(region, kw))
+        return made[-1]
+    monkeypatch.setattr(attachment, "make_data_transport", make)
+    path = region.handle.segments[0].path
+    before = _mappings(path)
+    with pytest.raises(RuntimeError, match="UCX worker address"):
+        attachment.attach(WorkerConfig(prefault=False), _attach_cmd(region), Reporter(), Clock())
+    (ctl,), (data,) = _Ctl.made, made
+    assert data.closed and ctl.closed
+    assert _mappings(path) == before + 1  # leaked, on purpose: never unmapped under a transfer
+
+
 # ------------------------------------------------------------ attachment: a successful attach, and its undoing
 @pytest.mark.parametrize("copy_threads", [3, 0], ids=["configured", "auto"])
 @pytest.mark.parametrize("lane_server", [None, "handover"], ids=["no-lanes", "lanes"])
@@ -238,6 +274,20 @@ def worker(shm_prefix, tmp_path):
             w.shutdown()
         evt.close()
         cmd.close()
+
+
+def test_a_hook_that_raises_at_on_stop_does_not_skip_the_orderly_stop(worker, tmp_path):
+    w, _, _ = worker
+
+    class Raises(Instruments):
+        def on_stop(self):
+            raise RuntimeError("hook bug")
+
+    w.instruments = Raises()
+    admin = tmp_path / "w.admin"
+    assert admin.exists()
+    w.shutdown()  # does not raise: the hook's error is logged
+    assert not admin.exists()  # the stop ran to its end: the admin socket is gone
 
 
 def _events(evt: Ring) -> list:
@@ -377,57 +427,48 @@ def zpair():
     ctx.term()
 
 
-@pytest.fixture
-def lane():
-    """A same-host lane stand-in: a real socket pair; the loop watches the fd of ``a``."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    yield a, b
-    a.close()
-    b.close()
-
-
-def test_one_poll_over_every_source_wakes_on_the_readable_one_and_the_turn_skips_the_rest(bells, zpair, lane):
+def test_one_poll_over_every_source_wakes_on_the_readable_one_and_the_turn_skips_the_rest(bells, zpair, seqpacket_pair):
     cmd, evt = bells
     dial_a, dial_b = socket.socketpair()
     try:
         dial = dial_a.fileno()  # lanes and dials are watched by fd (LaneSwitch.fds): the poll answers with the int
-        sources = [zpair[0], lane[0].fileno(), dial]
+        sources = [zpair[0], seqpacket_pair[0].fileno(), dial]
         sl, epoch = Sleeper(cmd, evt), (1, 1)
         zpair[1].send(b"frame")
         t0 = time.monotonic()
         sl.sleep(1.0, epoch, lambda: sources, room_wanted=False)
         assert time.monotonic() - t0 < 0.5 and sl.readable == {zpair[0]} and sl.watched(epoch)
         assert not sl.unready(zpair[0], epoch)
-        assert all(sl.unready(src, epoch) for src in (lane[0].fileno(), dial, cmd.fileno(), evt.fileno()))
-        assert not sl.unready(lane[0].fileno(), (2, 1))  # sources of another epoch: read everything
+        assert all(sl.unready(src, epoch) for src in (seqpacket_pair[0].fileno(), dial, cmd.fileno(), evt.fileno()))
+        assert not sl.unready(seqpacket_pair[0].fileno(), (2, 1))  # sources of another epoch: read everything
         assert cmd.disarms == [False] and evt.disarms == [False] and evt.arms == 0  # silent bells are not read
         sl.forget()
-        assert not sl.watched(epoch) and not sl.unready(lane[0].fileno(), epoch)
+        assert not sl.watched(epoch) and not sl.unready(seqpacket_pair[0].fileno(), epoch)
 
-        lane[1].send(b"x")  # a lane and a dial are woken on just like a control socket
+        seqpacket_pair[1].send(b"x")  # a lane and a dial are woken on just like a control socket
         dial_b.send(b"y")
         sl.sleep(1.0, epoch, lambda: sources, room_wanted=False)
-        assert sl.readable == {zpair[0], lane[0].fileno(), dial}  # the frame on the pair is still unread
+        assert sl.readable == {zpair[0], seqpacket_pair[0].fileno(), dial}  # the frame on the pair is still unread
     finally:
         dial_a.close()
         dial_b.close()
 
 
-def test_the_sources_are_rebuilt_only_when_their_epoch_moves(bells, zpair, lane):
+def test_the_sources_are_rebuilt_only_when_their_epoch_moves(bells, zpair, seqpacket_pair):
     cmd, evt = bells
     asked = []
 
     def sources():
         asked.append(len(asked))
-        return [zpair[0]] if len(asked) == 1 else [zpair[0], lane[0].fileno()]
+        return [zpair[0]] if len(asked) == 1 else [zpair[0], seqpacket_pair[0].fileno()]
 
     sl = Sleeper(cmd, evt)
-    lane[1].send(b"x")
+    seqpacket_pair[1].send(b"x")
     sl.sleep(0.0, (1, 0), sources, room_wanted=False)
     sl.sleep(0.0, (1, 0), sources, room_wanted=False)
     assert len(asked) == 1 and sl.readable == set()  # the lane is not watched yet: its byte goes unseen
     sl.sleep(0.0, (1, 1), sources, room_wanted=False)  # a lane came up: the epoch moved
-    assert len(asked) == 2 and sl.readable == {lane[0].fileno()}
+    assert len(asked) == 2 and sl.readable == {seqpacket_pair[0].fileno()}
 
 
 def test_a_command_already_in_the_ring_skips_the_sleep(bells, zpair):
@@ -464,23 +505,23 @@ def test_a_rung_bell_is_emptied_after_the_poll_and_a_silent_one_is_left_unread(b
     assert cmd.disarms == [True] and evt.disarms == [False] and cmd.empty()
 
 
-def test_below_a_millisecond_with_nothing_ready_it_sleeps_plainly_then_reads_every_source(bells, lane):
+def test_below_a_millisecond_with_nothing_ready_it_sleeps_plainly_then_reads_every_source(bells, seqpacket_pair):
     cmd, evt = bells
     sl = Sleeper(cmd, evt)
     t0 = time.monotonic()
-    sl.sleep(0.0005, (0, 0), lambda: [lane[0].fileno()], room_wanted=False)
+    sl.sleep(0.0005, (0, 0), lambda: [seqpacket_pair[0].fileno()], room_wanted=False)
     assert time.monotonic() - t0 >= 0.0005
     # no poll found anything: nothing is known unready, and both bells are emptied as after any unwatched wait
-    assert sl.readable is None and not sl.unready(lane[0].fileno(), (0, 0))
+    assert sl.readable is None and not sl.unready(seqpacket_pair[0].fileno(), (0, 0))
     assert cmd.disarms == [True] and evt.disarms == [True]
 
 
-def test_below_a_millisecond_with_a_source_ready_it_polls_instead(bells, lane):
+def test_below_a_millisecond_with_a_source_ready_it_polls_instead(bells, seqpacket_pair):
     cmd, evt = bells
-    lane[1].send(b"x")
+    seqpacket_pair[1].send(b"x")
     sl = Sleeper(cmd, evt)
-    sl.sleep(0.0005, (0, 0), lambda: [lane[0].fileno()], room_wanted=False)
-    assert sl.readable == {lane[0].fileno()} and cmd.disarms == [False]
+    sl.sleep(0.0005, (0, 0), lambda: [seqpacket_pair[0].fileno()], room_wanted=False)
+    assert sl.readable == {seqpacket_pair[0].fileno()} and cmd.disarms == [False]
 
 
 def test_with_the_real_rings_a_published_command_ends_the_sleep_at_once(shm_prefix):

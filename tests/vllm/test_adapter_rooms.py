@@ -458,6 +458,16 @@ def test_shutdown_drain_without_a_serving_worker_queues_nothing():
 
 
 # ------------------------------------------------------------ lookups.py: the asker
+def one_sent_ask() -> tuple[AskedLookups, Outbox, api.LookupKeys]:
+    """An asker with one key of request kv-a asked of h:1 and sent: (the asker, its outbox, the command)."""
+    box, _, _ = outbox()
+    asked = AskedLookups(box)
+    asked.lookup("h:1", "kv-a", key(1))
+    asked.send_asks()
+    (cmd,) = box.commands
+    return asked, box, cmd
+
+
 def test_asked_lookups_batch_per_request_and_peer_then_answer_hit_or_miss():
     box, _, _ = outbox()
     asked = AskedLookups(box)
@@ -505,11 +515,7 @@ def test_asks_without_a_serving_worker_answer_miss_at_once():
 
 
 def test_a_late_answer_for_a_finished_request_is_dropped():
-    box, _, _ = outbox()
-    asked = AskedLookups(box)
-    asked.lookup("h:1", "kv-a", key(1))
-    asked.send_asks()
-    (cmd,) = box.commands
+    asked, box, cmd = one_sent_ask()
     asked.forget("kv-a")
     asked.on_result(api.LookupResult(cmd.lookup_id, [True]))
     # a new request under the same id starts afresh: asked again, not answered from the dropped answer
@@ -554,11 +560,7 @@ def test_miss_all_answers_sent_and_unsent_asks_miss():
 
 
 def test_a_refused_lookup_command_answers_miss_once():
-    box, _, _ = outbox()
-    asked = AskedLookups(box)
-    asked.lookup("h:1", "kv-a", key(1))
-    asked.send_asks()
-    (cmd,) = box.commands
+    asked, box, cmd = one_sent_ask()
     assert asked.refuse(api.StoreJob(cmd.lookup_id, "kv-a", [key(1)], [0])) is False  # a job: not the lookups'
     assert asked.refuse(cmd) is True
     assert asked.refuse(cmd) is False
