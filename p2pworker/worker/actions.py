@@ -195,6 +195,8 @@ class ActionRunner:
         return True
 
     def read_result(self, tid: int, ok: bool, reason: str) -> None:
+        # watch only: the data plane says this read settled (no byte of it can land any more); its session has not
+        # reported the load yet, and only on_read_result below may (invariant 7)
         self.w.instruments.on_read_settled(tid, ok)
         read = self.reads.pop(tid)
         if read is None:
