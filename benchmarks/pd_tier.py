@@ -682,7 +682,7 @@ def main() -> None:
     import vllm
 
     if "intree" in a.tiers.split(","):
-        _check_intree_nixl()
+        check_intree_nixl()
 
     results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {},
                "revision": _revision(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
@@ -726,7 +726,7 @@ def _revision(tree: str) -> str:
                                                     else "")
 
 
-def _check_intree_nixl() -> None:
+def check_intree_nixl() -> None:
     """vLLM's in-tree tier imports NIXL as ``nixl._api`` (the ``nixl`` meta package) and, without it, starts anyway
     and misses every fetch.  setup.sh installs only the ``nixl-cu13`` build (``nixl_cu13._api``, which ours uses)."""
     import importlib

@@ -349,7 +349,7 @@ def plot(summary: dict, path: str, title: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def _args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiers", default="ours,intree", help="comma-separated: ours, intree")
     ap.add_argument("--arms", default=",".join(a.value for a in Arm), help="comma-separated subset of the arms")
@@ -439,7 +439,7 @@ def _finish(a: argparse.Namespace, report: dict, cells: list[Cell]) -> int:
 
 
 def main(argv=None) -> int:
-    a = _args(argv)
+    a = parse_args(argv)
     if a.replot:
         with open(a.replot) as f:
             why = plot(json.load(f)["summary"], a.plot, "TTFT: pull vs recompute")

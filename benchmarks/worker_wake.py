@@ -31,8 +31,7 @@ def measure(rig: PDRig, idle_s: float, n: int) -> list[float]:
     for _ in range(n):
         if idle_s:
             time.sleep(idle_s)
-        rig._job += 1
-        job = rig._job
+        job = rig.next_job_id()
         t0 = time.perf_counter()
         assert rig.decode.send(api.LoadJob(job, addr, "wake", [], []))
         while True:

@@ -121,7 +121,7 @@ def log_levels(verbose: int, env) -> tuple[int, int]:
     return base, logging.DEBUG if verbose == 1 else base
 
 
-def _admin_paths(admin: str | None) -> list[str]:
+def admin_paths(admin: str | None) -> list[str]:
     if admin:
         return [admin]
     import glob
@@ -146,7 +146,7 @@ def inspect(admin: str | None, as_json: bool, timeout_s: float) -> None:
     from p2pworker.admin import query
 
     out = []
-    for path in _admin_paths(admin):
+    for path in admin_paths(admin):
         try:
             out.append({"admin": path, **query(path, timeout_s=timeout_s)})
         except (TimeoutError, OSError) as e:

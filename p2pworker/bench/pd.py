@@ -67,6 +67,11 @@ class PDRig:
         self._job = 0
         self._req = 0
 
+    def next_job_id(self) -> int:
+        """A job id no job of this rig used yet (ids are unique per worker pair: the adapter's rule)."""
+        self._job += 1
+        return self._job
+
     def _region(self, name: str) -> KVRegion:
         reg = KVRegion.create(name, self.num_blocks, self.block_bytes, segment_bytes=1 << 30)
         self.regions.append(reg)
@@ -143,8 +148,7 @@ class PDRig:
         src_rows, dst_rows = self._rows(blocks, contiguous, free)
         free[dst_rows] = False
         keys = [b"%s/%d" % (req.encode(), i) for i in range(blocks)]
-        sj, lj = self._job + 1, self._job + 2
-        self._job += 2
+        sj, lj = self.next_job_id(), self.next_job_id()
         if not self.prefill.send(api.StoreJob(sj, req, keys, src_rows.tolist())) or \
            not self.prefill.send(api.RequestFinished(req)):
             raise P2PError("prefill command ring full")

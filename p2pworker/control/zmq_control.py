@@ -57,8 +57,6 @@ reported once per up-period (once in all for a link that never came up).
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import logging
 import os
 import secrets
@@ -80,6 +78,7 @@ from p2pworker.control.zmq_wire import (
     K_DATA,
     K_PING,
     Link,
+    handshake_proof,
     _normalize,
 )
 from p2pworker.errors import AuthError, Backpressure, P2PError, PeerLost, PeerUnreachable
@@ -151,10 +150,7 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
 
     # ------------------------------------------------------------ auth
     def _proof(self, role: bytes, cn: bytes, sn: bytes, client: str, server: str) -> bytes:
-        if not self.config.auth:
-            return b""
-        msg = b"p2pw-ctl-v1|" + role + b"|" + cn + sn + client.encode() + b"|" + server.encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).digest()
+        return handshake_proof(self._secret, role, cn, sn, client, server)  # the secret is b"" with auth off
 
     # ------------------------------------------------------------ public API
     def connect(self, address: str, *, resolve: bool = True) -> str:

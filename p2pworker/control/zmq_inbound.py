@@ -21,7 +21,7 @@ from p2pworker.control.zmq_wire import (
     Act,
     Link,
     _auth_dec,
-    _Challenge,
+    HandshakeChallenge,
     _enc,
     _hello_dec,
     router_move,
@@ -94,7 +94,7 @@ class InboundLinks:
         self._inbound[ident] = link
         self._links[link.link_id] = link
         proof = self._proof(b"server", hello.nonce, link.nonce, hello.node_id, self.node_id)
-        self._send_quiet(link, K_CHALLENGE, _enc.encode(_Challenge(self.node_id, link.nonce, proof)))
+        self._send_quiet(link, K_CHALLENGE, _enc.encode(HandshakeChallenge(self.node_id, link.nonce, proof)))
 
     def _on_auth(self, link: Link, body: bytes) -> None:
         try:

@@ -25,10 +25,10 @@ from p2pworker.control.zmq_wire import (
     Act,
     Link,
     Wire,
-    _Auth,
+    HandshakeAuth,
     _challenge_dec,
     _enc,
-    _Hello,
+    HandshakeHello,
     dealer_move,
     monitor_move,
 )
@@ -65,7 +65,7 @@ class OutboundLinks:
         link.nonce = secrets.token_bytes(16)
         link.state = LinkState.CONNECTING
         link.deadline = self._clock() + self.config.deadline_s
-        self._send_quiet(link, K_HELLO, _enc.encode(_Hello(CONTROL_VERSION, self.node_id, link.nonce)))
+        self._send_quiet(link, K_HELLO, _enc.encode(HandshakeHello(CONTROL_VERSION, self.node_id, link.nonce)))
 
     def _unwatch(self, link: Link) -> None:
         """Close ``link``'s socket monitor (at UP, or with its DEALER)."""
@@ -186,7 +186,7 @@ class OutboundLinks:
         link.peer_nonce = ch.nonce
         link.state = LinkState.AUTHING
         proof = self._proof(b"client", link.nonce, ch.nonce, self.node_id, ch.node_id)
-        self._send_quiet(link, K_AUTH, _enc.encode(_Auth(proof)))
+        self._send_quiet(link, K_AUTH, _enc.encode(HandshakeAuth(proof)))
 
     def _on_deadline(self, link: Link) -> None:
         """An outbound handshake ran past its deadline: say how far it got."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
+import hmac
 import operator
 import socket
 from collections import deque
@@ -25,26 +27,35 @@ K_REJECT, K_RESET, K_PING, K_DATA, K_BYE = b"X", b"R", b"P", b"D", b"B"
 _EMPTY: tuple = ()
 
 
-class _Hello(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class HandshakeHello(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     version: int
     node_id: str
     nonce: bytes
 
 
-class _Challenge(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class HandshakeChallenge(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     node_id: str
     nonce: bytes
     proof: bytes
 
 
-class _Auth(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class HandshakeAuth(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     proof: bytes
 
 
+def handshake_proof(secret: bytes, role: bytes, cn: bytes, sn: bytes, client: str, server: str) -> bytes:
+    """HMAC-SHA256 over both nonces and both node ids, bound to the prover's ``role`` (b"client"/b"server") so one
+    side's proof cannot be replayed as the other's.  Empty with authentication off (``secret`` empty)."""
+    if not secret:
+        return b""
+    msg = b"p2pw-ctl-v1|" + role + b"|" + cn + sn + client.encode() + b"|" + server.encode()
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
 _enc = msgspec.msgpack.Encoder()
-_hello_dec = msgspec.msgpack.Decoder(_Hello)
-_challenge_dec = msgspec.msgpack.Decoder(_Challenge)
-_auth_dec = msgspec.msgpack.Decoder(_Auth)
+_hello_dec = msgspec.msgpack.Decoder(HandshakeHello)
+_challenge_dec = msgspec.msgpack.Decoder(HandshakeChallenge)
+_auth_dec = msgspec.msgpack.Decoder(HandshakeAuth)
 
 
 class Act(enum.Enum):

@@ -430,7 +430,7 @@ def _recv_fds(s: socket.socket) -> tuple[bytes, list[int], int]:
     return msg, fds, flags
 
 
-def _peer_pidfd(s: socket.socket) -> int | None:
+def peer_pidfd(s: socket.socket) -> int | None:
     """A pidfd of the process at the other end (SO_PEERPIDFD, Linux 6.5+), None where the kernel has none."""
     if SO_PEERPIDFD is None:
         return None
@@ -445,7 +445,7 @@ def _ask(s: socket.socket, name: str, token: bytes, n_files: int, handed: Handed
     for our ack (no pidfd from the kernel here)."""
     s.settimeout(left())
     s.connect("\0" + name)  # an abstract name: exists only in this network namespace
-    pidfd = _peer_pidfd(s)  # the listener's process, as the kernel recorded it at connect
+    pidfd = peer_pidfd(s)  # the listener's process, as the kernel recorded it at connect
     if pidfd is not None:
         handed.pidfd = pidfd
     mode_ack = pidfd is None

@@ -195,6 +195,11 @@ class SameHostSource:
             except Exception as e:  # no thread to be had, say: copies fault as they would without it
                 log.warning("not pre-faulting the region of pid %d: %s: %s", self.pid, type(e).__name__, e)
 
+    @property
+    def prefault(self) -> Prefault | None:
+        """The pre-fault walk of the peer's region; None when ``prefault`` was off or its thread could not start."""
+        return self._prefault
+
     def prefault_status(self) -> dict | None:
         return None if self._prefault is None else self._prefault.status()
 
@@ -315,29 +320,31 @@ class Copier:
     in turn from one counter.  Synchronous: every byte is copied when :meth:`copy` returns, or it raised."""
 
     def __init__(self, dest: KVRegion, *, threads: int = 1, split_bytes: int = 4 << 20,
-                 chunk_bytes: int = 1 << 20) -> None:
+                 chunk_bytes: int = 1 << 20, pool: ThreadPoolExecutor | None = None) -> None:
         self._dest = dest.address
         self._bb = dest.block_bytes
         self.threads = max(1, threads)
         self.split_bytes = split_bytes
         self.chunk_bytes = chunk_bytes
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = pool  # the helpers' threads: made at the first split copy unless given (close() shuts it down)
         self.chunks_by_helpers = 0  # chunks the pool's threads copied (tests: the helpers really ran)
 
-    def _copy_runs(self, src: int, runs: np.ndarray) -> None:
+    def copy_runs(self, src: int, runs: np.ndarray) -> None:
+        """Copy ``runs`` (local row, remote row, rows) from the mapping at ``src``: one memmove each.  With
+        :meth:`take_chunks`, the points a test overrides to stall or fail one thread's share."""
         bb, dest, move = self._bb, self._dest, ctypes.memmove
         for l0, r0, n in runs.tolist():
             # Row writes (invariant 7): OUR rows only, by this process, inside the post of a piece that is reported
             # after this returns; the source is the peer's read-only mapping.
             move(dest + l0 * bb, src + r0 * bb, n * bb)
 
-    def _take_chunks(self, src: int, chunks: list[np.ndarray], counter: Iterator[int]) -> int:
+    def take_chunks(self, src: int, chunks: list[np.ndarray], counter: Iterator[int]) -> int:
         """Copy chunks until none is left: returns how many this thread copied.  ``next(counter)`` is atomic (one C
         call under the GIL), so each chunk is taken by exactly one thread."""
         n = len(chunks)
         done = 0
         while (i := next(counter)) < n:
-            self._copy_runs(src, chunks[i])
+            self.copy_runs(src, chunks[i])
             done += 1
         return done
 
@@ -350,7 +357,7 @@ class Copier:
         if not source.region.sizes_ok():
             raise TransferFailed("the peer's region file shrank under its mapping")
         if self.threads == 1 or nbytes < self.split_bytes:
-            self._copy_runs(source.address, runs)
+            self.copy_runs(source.address, runs)
         else:
             # Chunks taken in turn, not one equal share per thread: on a busy box a helper may wait for a core, and
             # an equal split would leave this thread waiting for it with its own share done (pd_tier's 128 MiB
@@ -362,8 +369,8 @@ class Copier:
             futures: list[Future] = []
             try:
                 for _ in range(min(self.threads - 1, len(chunks) - 1)):
-                    futures.append(self._pool.submit(self._take_chunks, source.address, chunks, counter))
-                self._take_chunks(source.address, chunks, counter)
+                    futures.append(self._pool.submit(self.take_chunks, source.address, chunks, counter))
+                self.take_chunks(source.address, chunks, counter)
             finally:
                 # A helper still queued (no core for it yet) has copied nothing and would find no chunk left: cancel
                 # it rather than wait for it.  Every other one is waited for: nothing copies into our rows once we

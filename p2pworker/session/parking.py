@@ -121,6 +121,30 @@ class Parcel:
         return self.finished_at != math.inf
 
 
+class DueHeap:
+    """When the lot's tick() must look at a parcel (reap) or a lease (its end).  A heap, so a tick costs what is due,
+    not a walk over every parked request (invariant 8).  Stale entries (a parcel forgotten, a lease released) are
+    skipped by the tick when they come up; until then each holds its parcel in memory."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Parcel, Lease | None]] = []
+        self._seq = itertools.count()  # ties in time come up in push order, and never compare parcels
+
+    def push(self, at: float, p: Parcel, lease: Lease | None = None) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), p, lease))
+
+    def pop_due(self, now: float) -> tuple[Parcel, Lease | None] | None:
+        """The soonest entry due by ``now`` (removed), or None."""
+        if not self._heap or self._heap[0][0] > now:
+            return None
+        _, _, p, lease = heapq.heappop(self._heap)
+        return p, lease
+
+    def times(self) -> list[float]:
+        """When each entry comes up, soonest first (stale ones included)."""
+        return sorted(at for at, *_ in self._heap)
+
+
 class ParkingLot:
     def __init__(self, reporter: Reporter, clock: Callable[[], float], *, block_bytes: int,
                  park_timeout_s: float = 60.0, park_unfinished_s: float = 1800.0):
@@ -130,24 +154,19 @@ class ParkingLot:
         self.park_timeout_s = park_timeout_s
         self.park_unfinished_s = park_unfinished_s
         self.parcels: dict[str, Parcel] = {}
-        self.reaped = 0
-        self.leases_expired = 0
+        self.reaped = self.leases_expired = 0
         self.leases = 0  # parcels under a lease now
         # leases with rows offered: a consumer may be reading them, which over TCP moves only while we progress, so
         # the worker polls only while this is > 0 (a consumer reads nothing before it is offered rows)
         self.offering = 0
         self.last_offer_at = -math.inf  # when rows were last offered (the worker polls fastest right after)
-        # (due, seq, parcel, lease or None): when tick() must look at a parcel (reap) or a lease (its end).  A
-        # heap, so a tick costs what is due, not a walk over every parked request (invariant 8).  Stale entries
-        # (a parcel forgotten, a lease released) are skipped when they come up.
-        self._due: list[tuple[float, int, Parcel, Lease | None]] = []
-        self._seq = itertools.count()
+        self.due = DueHeap()
 
     def parcel(self, request_id: str) -> Parcel:
         p = self.parcels.get(request_id)
         if p is None:
             p = self.parcels[request_id] = Parcel(request_id, self.clock())
-            heapq.heappush(self._due, (self._first_look(p), next(self._seq), p, None))
+            self.due.push(self._first_look(p), p)
         return p
 
     def _reap_at(self, p: Parcel) -> float:
@@ -165,7 +184,7 @@ class ParkingLot:
         """The request ended (again: a lookup's store for the same asker id joins a finished parcel, and each one
         gets its own park_timeout_s).  One heap entry per end told: linear in the commands."""
         p.finished_at = self.clock()
-        heapq.heappush(self._due, (self._reap_at(p), next(self._seq), p, None))
+        self.due.push(self._reap_at(p), p)
 
     # ------------------------------------------------------------ from the adapter
     def store(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]
@@ -231,7 +250,7 @@ class ParkingLot:
         p.unneeded = True
         p.served = True
         p.unneeded_at = now = self.clock()
-        heapq.heappush(self._due, (now + self.park_timeout_s, next(self._seq), p, None))
+        self.due.push(now + self.park_timeout_s, p)
         self.maybe_close(p)
 
     # ------------------------------------------------------------ leases
@@ -248,7 +267,7 @@ class ParkingLot:
             raise ValueError(f"parcel {p.request_id!r} is leased already (round {p.lease.round})")
         p.lease = lease
         self.leases += 1
-        heapq.heappush(self._due, (lease.hold_until, next(self._seq), p, lease))
+        self.due.push(lease.hold_until, p, lease)
 
     def release(self, p: Parcel, read: list[bytes], reason: str) -> None:
         """End ``p``'s lease: ``read`` keys were read intact; other offered keys fail their jobs with ``reason``.
@@ -354,9 +373,8 @@ class ParkingLot:
     def tick(self) -> None:
         """Lease ends and reaping, for what is due only.  Time is only compared here, never trusted from a peer."""
         now = self.clock()
-        due = self._due
-        while due and due[0][0] <= now:
-            _, _, p, lease = heapq.heappop(due)
+        while (entry := self.due.pop_due(now)) is not None:
+            p, lease = entry
             if self.parcels.get(p.request_id) is not p:
                 continue  # forgotten already
             if lease is not None:
@@ -364,14 +382,14 @@ class ParkingLot:
                     self.leases_expired += 1
                     self.release(p, [], f"lease of round {lease.round} ran out without the consumer's release")
             elif p.lease is not None:  # not reaped under a lease: look again when it ends
-                heapq.heappush(due, (max(now, p.lease.hold_until), next(self._seq), p, None))
+                self.due.push(max(now, p.lease.hold_until), p)
             elif not p.finished and not p.jobs:
                 if p.unneeded and now < p.unneeded_at + self.park_timeout_s:
                     continue  # a Done's tombstone lasts park_timeout_s from that Done (its own heap entry)
                 self.parcels.pop(p.request_id, None)  # nothing parked, no end told (a Fetch for an id never stored)
             elif now < (at := self._reap_at(p)):
                 # the first look at an unfinished parcel, or an entry of an earlier end: the bound in force
-                heapq.heappush(due, (at, next(self._seq), p, None))
+                self.due.push(at, p)
             else:
                 # Invariant 7: only a parcel without a lease is dropped (drop() asserts it), and a consumer reads only
                 # rows offered under a lease, so no read of these rows runs or can start once their jobs are reported;
@@ -382,12 +400,11 @@ class ParkingLot:
                           else f"its request did not end within {self.park_unfinished_s:g} s")
 
     def reset(self, reason: str) -> list[Parcel]:
-        """vLLM reset its cache: fail now the store jobs of every parcel without a lease (no consumer can be reading
-        their rows: a consumer reads only rows offered to it, under a lease).  A finished request stays a tombstone
-        (a consumer that asks later is answered at once, empty, not after fetch_timeout_s; vLLM does not tell us
-        again that it finished).  A parcel under a lease is marked finished: its owner sends the final offer now;
-        stores that still come join it unoffered, and its jobs close when the lease ends, as usual.  Returns the
-        parcels whose lease's owner should end its offers.  O(parcels), once per reset."""
+        """vLLM reset its cache: fail now the store jobs of every parcel without a lease (a consumer reads only rows
+        offered to it, under a lease).  A finished request stays a tombstone (a later ask is answered at once, empty;
+        vLLM does not tell its end again).  A leased parcel is marked finished: its owner sends the final offer now,
+        later stores join it unoffered, its jobs close when the lease ends.  Returns the parcels whose lease's owner
+        should end its offers.  O(parcels), once per reset."""
         owners = []
         for p in list(self.parcels.values()):
             if p.lease is None:

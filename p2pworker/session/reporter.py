@@ -85,6 +85,11 @@ class Reporter:
             raise LocalProtocolError(f"duplicate lookup id {lookup_id}")
         self._lookups.add(lookup_id)
 
+    @property
+    def open_lookups(self) -> int:
+        """Lookups opened and not answered yet."""
+        return len(self._lookups)
+
     def lookup_done(self, lookup_id: int, present, reason: str = "") -> None:
         if lookup_id not in self._lookups:
             raise LocalProtocolError(f"lookup {lookup_id} answered but it is not open")

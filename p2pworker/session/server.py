@@ -237,3 +237,7 @@ class ServerRole(SessionCore):
     @property
     def leases(self) -> int:
         return len(self._parcels)
+
+    def serving(self) -> dict[int, int]:
+        """The peer's lookups waiting for ``answer_lookup``: lookup id -> how many keys it asked (a copy)."""
+        return dict(self._serving)

@@ -66,7 +66,7 @@ MOVES: dict[PrefaultState, frozenset[PrefaultState]] = {
 }
 
 
-def _has_cap(bit: int) -> bool:
+def has_cap(bit: int) -> bool:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -77,7 +77,7 @@ def _has_cap(bit: int) -> bool:
     return False
 
 
-def _initial_user_namespace() -> bool:
+def initial_user_namespace() -> bool:
     """Every uid maps to itself: CAP_FOWNER here counts for any file (in another user namespace the kernel honours
     it only for files whose owner is mapped into it, which a file of an unmapped owner is not)."""
     try:
@@ -89,7 +89,7 @@ def _initial_user_namespace() -> bool:
 
 def walk_refusal(fds) -> str:
     """'' when ``mincore`` tells this process the truth about the files behind ``fds``; else why not."""
-    if _has_cap(CAP_FOWNER) and _initial_user_namespace():
+    if has_cap(CAP_FOWNER) and initial_user_namespace():
         return ""
     euid = os.geteuid()
     for fd in fds:
@@ -131,6 +131,16 @@ class Prefault:
         if not refusal:
             self._thread = threading.Thread(target=self._run, name=f"p2pw-prefault {name}".rstrip(), daemon=True)
             self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The walk's thread (it ends by itself; ``stop`` cuts it short); None when the walk was refused."""
+        return self._thread
+
+    @property
+    def left(self) -> bool:
+        """The thread has left the mapping for good (the last thing it does); False while it may still touch it."""
+        return self._out
 
     def _end(self, state: PrefaultState, error: str = "") -> None:
         assert state in MOVES[self.state], (self.state, state)

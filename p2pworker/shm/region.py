@@ -308,6 +308,11 @@ class KVRegion:
         return np.frombuffer(self.buffer(), dtype=np.uint8).reshape(self.num_blocks, self.block_bytes)
 
     # ------------------------------------------------------------ teardown
+    @property
+    def closed(self) -> bool:
+        """Unmapped (by :meth:`close`)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RegionError("the region is closed")

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from p2pworker.control import ControlConfig, LinkUp, ZmqControl
-from p2pworker.control.zmq_wire import K_DATA, K_HELLO, _Hello
+from p2pworker.control.zmq_wire import K_DATA, K_HELLO, HandshakeHello
 from p2pworker.errors import Backpressure, PeerLost
 from p2pworker.protocol import messages as m
 from tests.helpers.fault import SECRET, Jobs, figure, pd, rss_kib
@@ -45,7 +45,7 @@ def test_unauthenticated_flood_oversized_frames_and_garbage(nodes, figures):
             socks.append(s)
         socks[0].send_multipart([K_DATA, b"x" * (8 << 20)])  # oversized (max_frame_bytes 4 MiB)
         socks[1].send_multipart([K_HELLO, b"\xc1 not msgpack"])
-        socks[2].send_multipart([K_HELLO, msgspec.msgpack.encode(_Hello(99, "old", b"n" * 16))])
+        socks[2].send_multipart([K_HELLO, msgspec.msgpack.encode(HandshakeHello(99, "old", b"n" * 16))])
         frames, t0 = 0, time.monotonic()
         payload = [K_DATA, b"flood" * 8]
         while time.monotonic() - t0 < 3.0:

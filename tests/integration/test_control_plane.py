@@ -27,7 +27,7 @@ from p2pworker.control.zmq_wire import (
     K_WELCOME,
     ROUTER_MOVES,
     Act,
-    _Hello,
+    HandshakeHello,
     dealer_move,
     router_move,
 )
@@ -97,10 +97,20 @@ def test_empty_poll_allocates_nothing(pair):
     assert a.poll() is a.poll()
 
 
-def test_quiet_only_when_an_outer_poll_found_none_of_its_sockets_readable(pair):
+@pytest.fixture
+def pair_b_clocked():
+    """A pair whose acceptor ``b`` reads a clock the test moves (``now[0]``): its tick comes due only when told."""
+    now = [time.monotonic()]
+    a, b = ZmqControl(cfg(), node_id="A"), ZmqControl(cfg(), node_id="B", clock=lambda: now[0])
+    yield a, b, now
+    a.close()
+    b.close()
+
+
+def test_quiet_only_when_an_outer_poll_found_none_of_its_sockets_readable(pair_b_clocked):
     """The worker skips ``poll(0)`` when ``quiet(readable)`` holds for what its own poll over ``sockets()`` found:
     never with a frame waiting on one of our sockets, an event queued, or the tick due."""
-    a, b = pair
+    a, b, now = pair_b_clocked
     link = a.connect(b.address)
     pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp) and of(e, "b", LinkUp))
     outer = zmq.Poller()
@@ -112,8 +122,8 @@ def test_quiet_only_when_an_outer_poll_found_none_of_its_sockets_readable(pair):
         assert time.monotonic() < deadline, "the frame never made b's router readable"
     assert not b.quiet(ready), "a frame waits on b's router"
     assert [e.payload for e in b.poll(0) if isinstance(e, Received)] == [b"x"]
-    assert b.quiet(set()) or b._clock() >= b._next_tick  # idle now (unless its tick came due meanwhile)
-    b._next_tick = 0.0  # the tick is due: poll(0) has work
+    assert b.quiet(set())  # idle now: b's clock stood still, so its tick is not due
+    now[0] += 1.0  # past the tick (at most 0.25 s apart): poll(0) has work
     assert not b.quiet(set())
 
 
@@ -161,10 +171,10 @@ def test_hostile_handshakes_are_refused_and_the_acceptor_lives_on(pair):
         s.send_multipart([K_DATA, b"unauthenticated data"])  # data before any handshake
         (kind, _), ev = _serve_until(b, s)
         assert kind == K_RESET and not [e for e in ev if isinstance(e, Received)]
-        s.send_multipart([K_HELLO, msgspec.msgpack.encode(_Hello(99, "old", b"n" * 16))])
+        s.send_multipart([K_HELLO, msgspec.msgpack.encode(HandshakeHello(99, "old", b"n" * 16))])
         (kind, body), _ = _serve_until(b, s)
         assert kind == K_REJECT and b"version 99, expected 1" in body
-        s.send_multipart([K_HELLO, msgspec.msgpack.encode(_Hello(1, "forger", b"n" * 16))])
+        s.send_multipart([K_HELLO, msgspec.msgpack.encode(HandshakeHello(1, "forger", b"n" * 16))])
         _serve_until(b, s)  # the challenge
         s.send_multipart([K_AUTH, msgspec.msgpack.encode([b"\x00" * 32])])  # a forged proof
         (kind, body), ev = _serve_until(b, s)
@@ -189,7 +199,7 @@ def test_hostile_handshakes_are_refused_and_the_acceptor_lives_on(pair):
 def test_a_peer_gone_before_the_welcome_never_comes_up(pair):
     """A peer that proves the secret and vanishes before the acceptor answers: no LinkUp without a LinkDown
     (found by tests/fault: every such race leaked a session in the worker)."""
-    from p2pworker.control.zmq_wire import K_CHALLENGE, _Auth, _Challenge
+    from p2pworker.control.zmq_wire import K_CHALLENGE, HandshakeAuth, HandshakeChallenge, handshake_proof
 
     _, b = pair
     ctx = zmq.Context()
@@ -199,12 +209,12 @@ def test_a_peer_gone_before_the_welcome_never_comes_up(pair):
     s.connect(b.address)
     nonce = b"c" * 16
     try:
-        s.send_multipart([K_HELLO, msgspec.msgpack.encode(_Hello(1, "ghost", nonce))])
+        s.send_multipart([K_HELLO, msgspec.msgpack.encode(HandshakeHello(1, "ghost", nonce))])
         (kind, body), _ = _serve_until(b, s)
         assert kind == K_CHALLENGE
-        ch = msgspec.msgpack.decode(body, type=_Challenge)
-        proof = b._proof(b"client", nonce, ch.nonce, "ghost", ch.node_id)
-        s.send_multipart([K_AUTH, msgspec.msgpack.encode(_Auth(proof))])
+        ch = msgspec.msgpack.decode(body, type=HandshakeChallenge)
+        proof = handshake_proof(SECRET.encode(), b"client", nonce, ch.nonce, "ghost", ch.node_id)
+        s.send_multipart([K_AUTH, msgspec.msgpack.encode(HandshakeAuth(proof))])
     finally:
         s.close()  # flushes the proof (linger), then the connection is gone
         ctx.term()
@@ -360,7 +370,7 @@ def test_every_router_row_before_up_answers_as_the_table_says(pair):
     expect = {Act.HELLO: K_CHALLENGE, Act.UNAUTHENTICATED: K_RESET}
     for kind in (K_HELLO, K_CHALLENGE, K_AUTH, K_WELCOME, K_PING, K_DATA, K_BYE, b"?"):
         act = router_move(None, kind)
-        body = msgspec.msgpack.encode(_Hello(1, "probe", b"n" * 16)) if kind == K_HELLO else b"x"
+        body = msgspec.msgpack.encode(HandshakeHello(1, "probe", b"n" * 16)) if kind == K_HELLO else b"x"
         ctx, s = _raw_dealer(b.address)
         try:
             s.send_multipart([kind, body])

@@ -458,7 +458,9 @@ def test_zmq_producer_refuses_hostile_reads(shm_prefix):
     """Bad token, rows outside the region, oversized, malformed: refused with nothing served; producer lives on."""
     import zmq
 
-    from p2pworker.data.zmq_transport import KIND_DATA, KIND_READ, DataHeader, ReadHeader, _data_dec, _enc
+    from p2pworker.data.zmq_transport import KIND_DATA, KIND_READ, DataHeader, ReadHeader
+
+    enc, data_dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(DataHeader)  # the frames' public types
 
     bb = 4096
     with KVRegion.create(shm_prefix + "src", 8, bb) as reg:
@@ -471,32 +473,32 @@ def test_zmq_producer_refuses_hostile_reads(shm_prefix):
         s.connect(tr.local_info().endpoint)
         token = tr.local_info().token
         refused = {
-            1: [KIND_READ, b"x" * 16, _enc.encode(ReadHeader(1, 1, [(0, 1)]))],
-            2: [KIND_READ, token, _enc.encode(ReadHeader(1, 2, [(7, 2)]))],
-            3: [KIND_READ, token, _enc.encode(ReadHeader(1, 3, [(0, 0)]))],
-            4: [KIND_READ, token, _enc.encode(ReadHeader(1, 4, [(0, 3), (4, 2)]))],  # above max_serve_bytes
-            5: [KIND_READ, token, _enc.encode(ReadHeader(1, 5, []))],
+            1: [KIND_READ, b"x" * 16, enc.encode(ReadHeader(1, 1, [(0, 1)]))],
+            2: [KIND_READ, token, enc.encode(ReadHeader(1, 2, [(7, 2)]))],
+            3: [KIND_READ, token, enc.encode(ReadHeader(1, 3, [(0, 0)]))],
+            4: [KIND_READ, token, enc.encode(ReadHeader(1, 4, [(0, 3), (4, 2)]))],  # above max_serve_bytes
+            5: [KIND_READ, token, enc.encode(ReadHeader(1, 5, []))],
         }
         try:
             for frames in refused.values():
                 s.send_multipart(frames)
             s.send_multipart([KIND_READ, token, b"\xc1garbage"])  # undecodable: refused, not answered
-            s.send_multipart([b"W", token, _enc.encode(ReadHeader(1, 6, [(0, 1)]))])  # the old push frame
+            s.send_multipart([b"W", token, enc.encode(ReadHeader(1, 6, [(0, 1)]))])  # the old push frame
             errors = {}
             while len(errors) < len(refused):
                 pump(tr, until=lambda: s.poll(0))
                 kind, raw, *data = s.recv_multipart()
-                h = _data_dec.decode(raw)
+                h = data_dec.decode(raw)
                 assert kind == KIND_DATA and h.error and not data, "a refused read carried rows"
                 errors[h.seq] = h.error
             assert "bad read token" in errors[1] and "outside 0..8" in errors[2] and "outside" in errors[3]
             assert "max_serve_bytes" in errors[4] and "no rows" in errors[5]
             pump(tr, until=lambda: tr.rejected_reads == 7)
             assert tr.served_bytes == 0
-            s.send_multipart([KIND_READ, token, _enc.encode(ReadHeader(2, 9, [(3, 1), (6, 2)]))])
+            s.send_multipart([KIND_READ, token, enc.encode(ReadHeader(2, 9, [(3, 1), (6, 2)]))])
             pump(tr, until=lambda: s.poll(0))
             kind, raw, *data = s.recv_multipart()
-            assert _data_dec.decode(raw) == DataHeader(2, 9, "")
+            assert data_dec.decode(raw) == DataHeader(2, 9, "")
             assert [bytes(d) for d in data] == [reg.array()[3].tobytes(), reg.array()[6:8].tobytes()]
         finally:
             s.close(linger=0)
@@ -509,7 +511,9 @@ def test_zmq_consumer_refuses_hostile_replies(shm_prefix):
     piece nobody asked for is dropped."""
     import zmq
 
-    from p2pworker.data.zmq_transport import KIND_DATA, KIND_READ, DataHeader, _enc, _read_dec
+    from p2pworker.data.zmq_transport import KIND_DATA, KIND_READ, DataHeader, ReadHeader
+
+    enc, read_dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ReadHeader)  # the frames' public types
 
     bb = 4096
     ctx = zmq.Context()
@@ -529,16 +533,16 @@ def test_zmq_consumer_refuses_hostile_replies(shm_prefix):
             pump(tr, until=lambda: evil.poll(0))
             ident, kind, token, raw = evil.recv_multipart()
             assert kind == KIND_READ and token == b"t" * 16
-            h = _read_dec.decode(raw)
+            h = read_dec.decode(raw)
             assert h.tid == tid and h.runs == [(4, 2)]
             return tid, ident, h
 
         try:
             answers = [
-                lambda h: [KIND_DATA, _enc.encode(DataHeader(h.tid, h.seq)), b"\x01" * bb],  # one row short
-                lambda h: [KIND_DATA, _enc.encode(DataHeader(h.tid, h.seq)), b"\x01" * bb, b"\x01" * bb],  # 2 frames
-                lambda h: [KIND_DATA, _enc.encode(DataHeader(h.tid, h.seq)), b"\x01" * (2 * bb + 1)],
-                lambda h: [KIND_DATA, _enc.encode(DataHeader(h.tid, h.seq, "rows gone")), b"\x01" * 2 * bb],
+                lambda h: [KIND_DATA, enc.encode(DataHeader(h.tid, h.seq)), b"\x01" * bb],  # one row short
+                lambda h: [KIND_DATA, enc.encode(DataHeader(h.tid, h.seq)), b"\x01" * bb, b"\x01" * bb],  # 2 frames
+                lambda h: [KIND_DATA, enc.encode(DataHeader(h.tid, h.seq)), b"\x01" * (2 * bb + 1)],
+                lambda h: [KIND_DATA, enc.encode(DataHeader(h.tid, h.seq, "rows gone")), b"\x01" * 2 * bb],
             ]
             reasons = []
             for answer in answers:
@@ -552,11 +556,11 @@ def test_zmq_consumer_refuses_hostile_replies(shm_prefix):
             assert (reg.array() == CANARY).all(), "a refused reply was copied into our rows"
 
             tid, ident, h = request()
-            evil.send_multipart([ident, KIND_DATA, _enc.encode(DataHeader(h.tid + 100, h.seq)), b"\x02" * 2 * bb])
+            evil.send_multipart([ident, KIND_DATA, enc.encode(DataHeader(h.tid + 100, h.seq)), b"\x02" * 2 * bb])
             evil.send_multipart([ident, b"junk"])
             pump(tr, until=lambda: tr.late_replies == 1 and tr.rejected_replies == 4)
             assert tr.in_flight() == 1 and (reg.array() == CANARY).all()
-            evil.send_multipart([ident, KIND_DATA, _enc.encode(DataHeader(h.tid, h.seq)), b"\x03" * 2 * bb])
+            evil.send_multipart([ident, KIND_DATA, enc.encode(DataHeader(h.tid, h.seq)), b"\x03" * 2 * bb])
             done, _ = pump(tr, until=lambda: tr.in_flight() == 0)
             assert done == [tid] and (reg.array()[:2] == 3).all() and (reg.array()[2:] == CANARY).all()
         finally:

@@ -70,3 +70,47 @@ def test_the_tree_holds_no_history_and_no_pointer_outside_it(pattern, why):
     hits = [f"{_rel(p)}:{i}" for p in _texts() if p.resolve() != Path(__file__).resolve()
             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if rx.search(line)]
     assert not hits, f"{why}: {hits[:10]}"
+
+
+# Private names of other libraries that a harness has no public way to reach, each with why.  Ours never: a test or
+# benchmark that needs to see or steer one of our objects gets a named point (a property, a constructor argument, an
+# instrument) instead, so renaming a private cannot silently change what it checks.
+FOREIGN_PRIVATES = {
+    "os._exit": "a crash stand-in: exit with no cleanup",
+    "self.tier._primary_kv_view": "vLLM's SecondaryTierManager keeps the CPU tier's view only there",
+    "tier._primary_kv_view": "vLLM's SecondaryTierManager keeps the CPU tier's view only there",
+    "self.spec._scheduler_mmap": "vLLM's offloading spec: the path of the CPU tier's file",
+    "self.mgr._jobs": "vLLM's tiering manager: its open jobs (idle when empty)",
+    "cons.mgr._jobs": "vLLM's tiering manager: its open jobs (idle when empty)",
+    "prod.mgr._jobs": "vLLM's tiering manager: its open jobs (idle when empty)",
+    "mgr._metrics": "vLLM's tiering manager: its metrics object",
+    "eng.mgr._tier_poll_thread": "vLLM 0.33's tier-poll thread",
+}
+
+
+def _private_reaches(p: Path) -> list[str]:
+    """Every ``x._name`` (not on self/cls), ``super()._name``, ``setattr/getattr(x, "_name")`` and ``from ours import
+    _name`` in ``p``."""
+    out = []
+    for n in ast.walk(ast.parse(p.read_text())):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+            if not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                out.append(ast.unparse(n))
+        elif isinstance(n, ast.Call) and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant):
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            arg = n.args[1].value
+            if name in ("setattr", "getattr", "delattr", "hasattr") and isinstance(arg, str) and \
+                    arg.startswith("_") and not arg.startswith("__"):
+                out.append(f"{name}(..., {arg!r})")
+        elif isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] in PACKAGES + ("benchmarks", "tests"):
+            out += [f"from {n.module} import {a.name}" for a in n.names if a.name.startswith("_")]
+    return out
+
+
+def test_tests_and_benchmarks_reach_our_objects_by_public_names_only():
+    reaches = {f"{_rel(p)}: {r}" for d in ("tests", "benchmarks") for p in (ROOT / d).rglob("*.py")
+               for r in _private_reaches(p)}
+    ours = sorted(r for r in reaches if r.split(": ", 1)[1] not in FOREIGN_PRIVATES)
+    assert not ours, f"private names reached from outside their package: {ours}"
+    used = {r.split(": ", 1)[1] for r in reaches}
+    assert used >= set(FOREIGN_PRIVATES), f"stale allowances: {set(FOREIGN_PRIVATES) - used}"

@@ -242,7 +242,7 @@ def test_parcels_that_ended_leave_the_reap_heap_within_park_timeout_s():
     assert not lot.parcels and all(e.success for e in reporter.events if isinstance(e, JobDone))
     clock.now = 61.0
     lot.tick()
-    assert lot._due == []
+    assert lot.due.times() == []
 
 
 def test_a_store_joining_a_finished_request_gets_its_own_park_timeout_s():
@@ -271,7 +271,7 @@ def test_a_parcel_a_fetch_made_for_an_id_never_stored_is_dropped_after_park_time
     lot.parcel("never")
     clock.now = 61.0
     lot.tick()
-    assert "never" not in lot.parcels and lot._due == [] and not reporter.events
+    assert "never" not in lot.parcels and lot.due.times() == [] and not reporter.events
 
 
 def test_an_unfinished_parcel_with_stores_is_kept_past_the_first_look():
@@ -280,7 +280,7 @@ def test_an_unfinished_parcel_with_stores_is_kept_past_the_first_look():
     lot.store(1, "long", [b"a"], [1])
     clock.now = 61.0
     lot.tick()
-    assert "long" in lot.parcels and not reporter.events and [d for d, *_ in lot._due] == [1800.0]
+    assert "long" in lot.parcels and not reporter.events and lot.due.times() == [1800.0]
 
 
 def test_a_dones_tombstone_outlives_the_close_of_a_session_whose_lease_offered_nothing():

@@ -65,8 +65,8 @@ def rss_of(address: int) -> int:
 
 
 def wait_end(p: Prefault) -> None:
-    p._thread.join(30)
-    assert not p._thread.is_alive()
+    p.thread.join(30)
+    assert not p.thread.is_alive()
 
 
 def test_runs_of_matches_a_page_by_page_reading():
@@ -127,7 +127,7 @@ def test_stop_ends_the_walk_before_it_returns(shm_file, monkeypatch):
         while p.populated_bytes == 0 and time.monotonic() < deadline:  # under way, so stop() cuts a walk
             time.sleep(0.001)
         assert p.stop(timeout_s=10)
-        assert not p._thread.is_alive()
+        assert not p.thread.is_alive()
         assert p.state is PrefaultState.STOPPED and p.scanned_bytes < size, p.status()
         seen = rss_of(address)  # at least what it populated (a fault maps up to 16 resident neighbours too)
         assert 0 < p.populated_bytes <= seen < size, (p.status(), seen)
@@ -192,7 +192,7 @@ def test_rows_that_start_inside_a_page_are_walked_from_that_page(shm_file):
 
 def test_a_refused_walk_is_skipped_and_never_started():
     p = Prefault(PAGE, PAGE, refusal="not the owner")
-    assert p.state is PrefaultState.SKIPPED and p.error == "not the owner" and p._thread is None
+    assert p.state is PrefaultState.SKIPPED and p.error == "not the owner" and p.thread is None
     assert p.stop() and p.status()["state"] == "skipped"
 
 
@@ -233,10 +233,10 @@ def test_cap_fowner_counts_only_where_every_uid_is_itself(shm_file, monkeypatch)
     if os.geteuid() != 0:
         pytest.skip("needs root to give the file away")
     os.fchown(fd, 65534, 65534)
-    monkeypatch.setattr(pf, "_has_cap", lambda bit: True)
-    monkeypatch.setattr(pf, "_initial_user_namespace", lambda: False)  # a container's user namespace
+    monkeypatch.setattr(pf, "has_cap", lambda bit: True)
+    monkeypatch.setattr(pf, "initial_user_namespace", lambda: False)  # a container's user namespace
     assert "not the owner" in walk_refusal([fd])
-    monkeypatch.setattr(pf, "_initial_user_namespace", lambda: True)
+    monkeypatch.setattr(pf, "initial_user_namespace", lambda: True)
     assert walk_refusal([fd]) == ""
 
 
@@ -263,8 +263,8 @@ def test_a_walk_that_does_not_stop_in_time_says_so(shm_file, monkeypatch):
         assert p.stop_then(lambda: released.append(threading.current_thread()), timeout_s=0.1) is False
         assert not released  # not while the walk is inside
         leave.set()
-        p._thread.join(10)
-        assert p.state is PrefaultState.STOPPED and released == [p._thread]  # run by the walk as it left
+        p.thread.join(10)
+        assert p.state is PrefaultState.STOPPED and released == [p.thread]  # run by the walk as it left
         assert p.stop_then(lambda: released.append("again"))  # out now: released at once, by the caller
     finally:
         leave.set()
@@ -289,7 +289,7 @@ def test_inspect_names_a_walk_that_has_not_ended_well(monkeypatch):
                            session("l-done", {**walk, "state": "done", "error": ""}),
                            session("l-none", None)]}
     monkeypatch.setattr(admin, "query", lambda path, timeout_s: status)
-    monkeypatch.setattr(cli, "_admin_paths", lambda a: ["/tmp/p2pworker-test.admin"])
+    monkeypatch.setattr(cli, "admin_paths", lambda a: ["/tmp/p2pworker-test.admin"])
     res = CliRunner().invoke(cli.main, ["inspect"])
     assert res.exit_code == 0, res.output
     assert "l-run: peer region pre-fault running, 48 of 128 MiB walked\n" in res.output

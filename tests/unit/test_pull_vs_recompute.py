@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.pull_vs_recompute import Arm, Cell, Tier, _args, answer_problem, arm_problem, summarize, table
+from benchmarks.pull_vs_recompute import Arm, Cell, Tier, parse_args, answer_problem, arm_problem, summarize, table
 from p2pworker.calibrate import CachedTokens, Served, classify
 
 pytestmark = pytest.mark.timeout(30)
@@ -76,7 +76,7 @@ def test_no_crossover_is_said_so():
 
 
 def test_default_chunks_reach_the_longest_prefix_that_fits():
-    a = _args(["--max-model-len", "2048"])
+    a = parse_args(["--max-model-len", "2048"])
     assert a.chunk_list == [1, 2, 4, 8, 15]  # 15 * 128 + 8 tokens + 12 answer tokens <= 2048
     with pytest.raises(SystemExit):
-        _args(["--chunks", "16"])
+        parse_args(["--chunks", "16"])

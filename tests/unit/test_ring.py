@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import time
@@ -279,13 +280,15 @@ def test_a_producer_that_closes_mid_message_delivers_nothing_of_it(pair):
         cons.get_bytes(timeout_s=0.5)
 
 
-def test_a_corrupt_slot_length_is_consumed_and_reported(pair):
+def test_a_corrupt_slot_length_is_consumed_and_reported(pair, shm_prefix):
     prod, cons = pair
     prod.put_bytes(b"x", timeout_s=1)
-    w = memoryview(prod._mm).cast("Q")
-    w[HEADER_BYTES >> 3] = 10_000  # slot 0's length word, beyond the slot
+    # a third mapping of the ring's memory, as a buggy or hostile process with access to /dev/shm would have
+    with open(f"/dev/shm/{shm_prefix}r", "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        w = memoryview(mm).cast("Q")
+        w[HEADER_BYTES >> 3] = 10_000  # slot 0's length word, beyond the slot
+        w.release()
     with pytest.raises(RingError, match="corrupt"):
         cons.try_get_bytes()
-    w.release()
     prod.put_bytes(b"after", timeout_s=1)
     assert cons.get_bytes(timeout_s=1) == b"after"

@@ -137,11 +137,11 @@ def test_the_process_watched_is_the_one_the_kernel_says_sent_the_files(regions, 
     peer, _ = regions
     p, name, token = child_server
     if pidfd_from == "pid":
-        monkeypatch.setattr(handover, "_peer_pidfd", lambda s: None)
+        monkeypatch.setattr(handover, "peer_pidfd", lambda s: None)
     else:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         probe.connect("\0" + name)
-        fd = handover._peer_pidfd(probe)
+        fd = handover.peer_pidfd(probe)
         probe.close()
         if fd is None:
             pytest.skip("this kernel has no SO_PEERPIDFD (< 6.5): the 'pid' case covers it")
@@ -203,7 +203,7 @@ def test_a_sender_gone_before_our_ack_is_not_trusted(regions, shm_prefix, monkey
     before = open_fds()
     t = threading.Thread(target=answer_then_leave, daemon=True)
     t.start()
-    monkeypatch.setattr(handover, "_peer_pidfd", lambda s: None)  # the older kernels' path
+    monkeypatch.setattr(handover, "peer_pidfd", lambda s: None)  # the older kernels' path
     real = os.pidfd_open
     monkeypatch.setattr(handover.os, "pidfd_open", lambda pid: (closed.wait(5), real(pid))[1])
     try:
@@ -416,7 +416,7 @@ def test_mode_a_never_watches_another_process_than_the_sender(regions, child_ser
     (the leader a zombie, the files still open), the pidfd we keep is of that dying process: it shows the exit."""
     peer, _ = regions
     p, name, token = child_server
-    monkeypatch.setattr(handover, "_peer_pidfd", lambda s: None)
+    monkeypatch.setattr(handover, "peer_pidfd", lambda s: None)
     real = os.pidfd_open
 
     def after_its_death(pid):
@@ -485,17 +485,17 @@ def test_a_helper_waiting_for_a_core_does_not_hold_the_copy_and_nothing_lands_af
     copied: list[tuple[bool, tuple]] = []
 
     class Gated(Copier):
-        def _copy_runs(self, src, runs):
+        def copy_runs(self, src, runs):
             if threading.current_thread() is not me:
                 helper_in.set()
                 assert gate.wait(10)
             else:
                 assert helper_in.wait(10), "the helper never took a chunk"
-            super()._copy_runs(src, runs)
+            super().copy_runs(src, runs)
             copied.append((threading.current_thread() is me, tuple(map(tuple, runs.tolist()))))
 
-        def _take_chunks(self, src, chunks, counter):
-            n = super()._take_chunks(src, chunks, counter)
+        def take_chunks(self, src, chunks, counter):
+            n = super().take_chunks(src, chunks, counter)
             if threading.current_thread() is me:
                 assert not gate.is_set()
                 gate.set()  # only now may the stalled helper finish its chunk
@@ -528,12 +528,12 @@ def test_a_helper_that_fails_fails_the_copy_only_after_every_other_chunk_ended(r
     copied: list[tuple] = []
 
     class Failing(Copier):
-        def _copy_runs(self, src, runs):
+        def copy_runs(self, src, runs):
             if threading.current_thread() is not me:
                 helper_in.set()
                 raise RuntimeError("helper broke")
             assert helper_in.wait(10), "the helper never took a chunk"
-            super()._copy_runs(src, runs)
+            super().copy_runs(src, runs)
             copied.append(tuple(map(tuple, runs.tolist())))
 
     runs = coalesce(np.arange(48), np.arange(48))
@@ -555,10 +555,10 @@ def test_a_helper_still_queued_is_cancelled_not_waited_for(regions, server):
     rng = np.random.default_rng(3)
     local, remote = rng.permutation(NB)[:32], rng.permutation(NB)[:32]
     src = open_source(True, info_of(peer, server))
-    copier = Copier(ours, threads=2, split_bytes=0, chunk_bytes=2 * BB)
-    copier._pool = ThreadPoolExecutor(1)
+    pool = ThreadPoolExecutor(1)
+    copier = Copier(ours, threads=2, split_bytes=0, chunk_bytes=2 * BB, pool=pool)
     release = threading.Event()
-    blocker = copier._pool.submit(release.wait, 30)  # the pool's only thread is taken
+    blocker = pool.submit(release.wait, 30)  # the pool's only thread is taken
     try:
         copier.copy(src, coalesce(local, remote))  # waiting for the queued helper would wait out the blocker's 30 s
         assert not blocker.done() and copier.chunks_by_helpers == 0
@@ -679,8 +679,8 @@ def test_a_source_closed_mid_walk_unmaps_only_after_the_walk_left(regions, serve
     unmap = src.region.close
 
     def recording_unmap():
-        walk = src._prefault
-        seen.update(state=walk.state, out=walk._out, thread=threading.current_thread(), status=walk.status())
+        walk = src.prefault
+        seen.update(state=walk.state, out=walk.left, thread=threading.current_thread(), status=walk.status())
         unmap()
 
     src.region.close = recording_unmap
@@ -688,7 +688,7 @@ def test_a_source_closed_mid_walk_unmaps_only_after_the_walk_left(regions, serve
         assert held.inside.wait(10) and src.prefault_status()["state"] == "running"
         threading.Timer(0.05, held.leave.set).start()  # the round ends (within close()'s wait, on a quiet box)
         src.close()
-        src._prefault._thread.join(10)  # by close() itself, or by the walk as it left if it took longer
+        src.prefault.thread.join(10)  # by close() itself, or by the walk as it left if it took longer
         assert seen and seen["state"].value == "stopped" and seen["out"], seen  # out of the mapping before it went
         assert seen["status"]["scanned_bytes"] < seen["status"]["nbytes"], seen
     finally:
@@ -705,11 +705,11 @@ def test_a_walk_that_outlasts_close_unmaps_as_it_leaves(regions, server, monkeyp
         t0 = time.monotonic()
         src.close()  # the walk is held inside its round: close() must neither unmap nor wait for it
         assert time.monotonic() - t0 < 5
-        assert not src.region._closed, "unmapped under a running walk"
+        assert not src.region.closed, "unmapped under a running walk"
         assert "still inside it: unmapped as it leaves" in caplog.text
         held.leave.set()
-        src._prefault._thread.join(10)
-        assert src.region._closed and src._prefault.state.value == "stopped"  # the walk unmapped on its way out
+        src.prefault.thread.join(10)
+        assert src.region.closed and src.prefault.state.value == "stopped"  # the walk unmapped on its way out
         src.close()  # idempotent
     finally:
         held.leave.set()
@@ -722,12 +722,12 @@ def test_a_walk_mincore_would_lie_to_is_skipped(regions, server, monkeypatch):
     peer, _ = regions
     for seg in peer.handle.segments:
         os.chown(seg.path, 65534, 65534)  # another user's files, and we lack CAP_FOWNER (below)
-    monkeypatch.setattr(prefault, "_has_cap", lambda bit: False)
+    monkeypatch.setattr(prefault, "has_cap", lambda bit: False)
     src = open_source(True, info_of(peer, server), prefault=True)
     try:
         st = src.prefault_status()
         assert st["state"] == "skipped" and "not the owner of the peer's file (uid 65534" in st["error"], st
-        assert st["populated_bytes"] == 0 and src._prefault._thread is None
+        assert st["populated_bytes"] == 0 and src.prefault.thread is None
     finally:
         src.close()
 

@@ -160,7 +160,7 @@ class Model:
 
     def _answer(self, o) -> None:
         for side in (self.p.a, self.p.b):
-            for lookup_id, n in list(side.session._serving.items()):
+            for lookup_id, n in list(side.session.serving().items()):
                 side.answer(lookup_id, [True] * n)
 
     _OPS = {
@@ -263,13 +263,13 @@ class Model:
             p.advance(step_s)
             self.tick()
             for side in (p.a, p.b):
-                for lookup_id, n in list(side.session._serving.items()):
+                for lookup_id, n in list(side.session.serving().items()):
                     side.answer(lookup_id, [False] * n)
             self.check()
         assert p.a.reporter.open_jobs == 0 and p.b.reporter.open_jobs == 0
         assert all(s.counters.unsettled_reads for s, _ in p.a.aborts), "an abort without a reason"
         assert set(self.reported) == self.opened, f"never reported: {self.opened - set(self.reported)}"
-        assert not p.a.reporter._lookups
+        assert p.a.reporter.open_lookups == 0
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

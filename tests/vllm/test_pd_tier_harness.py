@@ -162,4 +162,4 @@ def test_the_intree_contender_without_nixls_meta_package_stops_the_run_at_once(m
 
     monkeypatch.setattr("importlib.import_module", no_meta)
     with pytest.raises(SystemExit, match=r"in-tree p2p tier needs NIXL's meta package .* scripts/setup.sh --bench"):
-        pd_tier._check_intree_nixl()
+        pd_tier.check_intree_nixl()

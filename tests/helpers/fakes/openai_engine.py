@@ -51,10 +51,10 @@ class FakeEngine:
             def do_GET(self):
                 if self.path == "/v1/models":
                     s = engine.script
-                    self._send({"object": "list", "data": [{"id": s.model, "root": s.root,
+                    self.send_body({"object": "list", "data": [{"id": s.model, "root": s.root,
                                                             "max_model_len": s.max_model_len}]})
                 elif self.path == "/metrics":
-                    self._send(engine.metrics().encode(), "text/plain")
+                    self.send_body(engine.metrics().encode(), "text/plain")
                 else:
                     self.send_error(404)
 
@@ -62,7 +62,7 @@ class FakeEngine:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 engine.serve(self, body)
 
-            def _send(self, obj, ctype="application/json"):
+            def send_body(self, obj, ctype="application/json"):
                 raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", ctype)
@@ -119,7 +119,7 @@ class FakeEngine:
         time.sleep(s.pull_s if pulled else s.recompute_s_per_token * n)
         choice = {"index": 0, "text": " x", "finish_reason": "length"}
         if not body.get("stream"):
-            handler._send({"choices": [choice]})
+            handler.send_body({"choices": [choice]})
             return
         handler.send_response(200)
         handler.send_header("Content-Type", "text/event-stream")
