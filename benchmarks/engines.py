@@ -72,6 +72,19 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
+AUTOGROUP = "/proc/sys/kernel/sched_autogroup_enabled"
+
+
+def autogroup() -> bool | None:
+    """The kernel's autogroup scheduling (one scheduling group per session) is on; None where it is not built in.
+    On this 2-CPU box it made every process of a pull wait 50 ms to seconds for a core (benchmarks/README.md)."""
+    try:
+        with open(AUTOGROUP) as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------- configs
 def ours_tier(port: int, worker_config: str = "prefill") -> dict:
     """The P2PWorkerTier entry, with configs/<worker_config>.toml (pd.sh's)."""

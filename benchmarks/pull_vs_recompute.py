@@ -453,7 +453,11 @@ def main(argv=None) -> int:
     log_dir = a.log_dir or tempfile.mkdtemp(prefix="p2pw-pvr-logs.")
     os.makedirs(log_dir, exist_ok=True)
     report: dict = {"config": {k: v for k, v in vars(a).items() if k not in ("replot",)},
-                    "loadavg_before": engines.loadavg(), "cores": os.cpu_count()}
+                    "loadavg_before": engines.loadavg(), "cores": os.cpu_count(), "autogroup": engines.autogroup()}
+    if report["autogroup"]:
+        print(f"pull_vs_recompute: {engines.AUTOGROUP} is 1: on a host with few cores the engines' and workers' "
+              f"processes wait for a core 50 ms to seconds at a time, and the pulls' figures measure that "
+              f"(benchmarks/README.md, 'Pull or recompute')", file=sys.stderr)
     cells: list[Cell] = []
     try:
         for tier in tiers:  # one pair at a time: two would share two cores

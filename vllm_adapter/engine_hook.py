@@ -76,6 +76,13 @@ class EngineCore:
         return state is not None and getattr(state, "name", "RUNNING") != "RUNNING"
 
 
+def engine_idle(now: float, last_call: float, idle_said_at: float) -> bool:
+    """Whether an engine without a tier-poll thread is (as far as the tier can tell) blocked on its input queue:
+    told "no work" since its last call into the tier, or not calling for IDLE_S.  Wrong only towards a wake the
+    engine did not need (a no-op it reads at its next input check)."""
+    return idle_said_at >= last_call or now - last_call >= IDLE_S
+
+
 def find_engine_core(frame: FrameType | None = None) -> EngineCore | None:
     """The engine core constructing us, from the caller's stack (None when there is none)."""
     f = frame if frame is not None else sys._getframe(1)
@@ -91,9 +98,14 @@ class IdleWaker:
     """Wakes an idle engine when its tier has events to read.  One daemon thread; ``retarget`` when the worker (and
     so the event ring) changes; ``close`` at the tier's shutdown.
 
-    ``last_call`` is when the engine last called the tier (the tier's own clock, time.monotonic).  The thread:
+    ``last_call`` is when the engine last called the tier (the tier's own clock, time.monotonic).  The engine is
+    idle (:func:`engine_idle`) once the tier told it there is no work (:meth:`said_idle`, from ``has_pending_work``:
+    vLLM 0.32 asks it right before it blocks on its input queue) and it has not called since, or once it has not
+    called the tier for IDLE_S (a call that is not followed by that question: an engine that stopped some other way).
+    The thread:
 
-    1. while the tier was called within IDLE_S, sleeps IDLE_S (the engine steps and reads the ring itself);
+    1. while the engine is not idle, sleeps up to IDLE_S (the engine steps and reads the ring itself); a
+       :meth:`said_idle` cuts that sleep short;
     2. else sleeps on the ring's bell until a slot past the ones it has looked at is published;
     3. looks at the unread slots it has not looked at: any that is not a heartbeat wakes the engine (at most once
        per REWAKE_S until the tier is called again).
@@ -109,8 +121,21 @@ class IdleWaker:
         self._wanted = False  # retarget/close waits for the lock: the thread must not start a sleep holding it
         self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wakes = 0
+        self._idle_said_at = -1e9  # when the tier last told the engine there is no work (said_idle)
         self._thread = threading.Thread(target=self._run, name=f"p2pworker-waker-{name}", daemon=True)
         self._thread.start()
+
+    def said_idle(self) -> None:
+        """The tier just told the engine it has no work (``has_pending_work`` False): vLLM 0.32 blocks on its input
+        queue next, so from now until its next call an event wakes it at once.  Called on the engine's thread; costs
+        one pipe write per idle spell (the first such answer after a call), none while the engine steps."""
+        fresh = self._idle_said_at < self._last_call()
+        self._idle_said_at = time.monotonic()
+        if fresh:
+            self._interrupt()  # the thread may be in its not-idle sleep
+
+    def idle(self, now: float) -> bool:
+        return engine_idle(now, self._last_call(), self._idle_said_at)
 
     def retarget(self, ring: Ring | None) -> None:
         """The event ring of the current worker (None: no worker).  Interrupts the thread's sleep first, so this
@@ -136,6 +161,11 @@ class IdleWaker:
         except BlockingIOError:
             pass  # one byte there already
 
+    def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds`` or until an interrupt (said_idle, retarget, close); the interrupt is consumed."""
+        if select.select([self._rfd], [], [], seconds)[0]:
+            self._drain_interrupt()
+
     def _drain_interrupt(self) -> None:
         try:
             os.read(self._rfd, 4096)
@@ -146,8 +176,8 @@ class IdleWaker:
         woken_at = -1e9
         while not self._stop:
             now = time.monotonic()
-            if now - self._last_call() < IDLE_S:
-                time.sleep(IDLE_S)  # the engine steps and reads the ring itself
+            if not self.idle(now):
+                self._nap(IDLE_S)  # the engine steps and reads the ring itself; said_idle cuts this short
                 continue
             with self._lock:
                 ring = self._ring
@@ -161,6 +191,9 @@ class IdleWaker:
                 if self._ring is None:  # no worker: sleep until retarget (or a slice)
                     select.select([self._rfd], [], [], WATCH_SLICE_S)
             elif needs:
+                now = time.monotonic()  # the look may have slept
+                if not self.idle(now):
+                    continue  # it stepped meanwhile (a request came): it reads the ring itself
                 if self._last_call() > woken_at or now - woken_at >= REWAKE_S:
                     woken_at = now
                     self.wakes += 1
@@ -169,7 +202,7 @@ class IdleWaker:
                     except Exception as e:  # never take the engine down for a wake
                         log.warning("could not wake the engine: %s", e)
                 else:
-                    time.sleep(IDLE_S)  # woken already: the engine is in a step, or about to call the tier
+                    self._nap(IDLE_S)  # woken already: the engine is in a step, or about to call the tier
 
     def _look(self, ring: Ring) -> bool:
         """Sleep until a slot not looked at yet is published (or a slice ends); True when an unread one is not a

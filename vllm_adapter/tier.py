@@ -325,8 +325,11 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         # vLLM 0.32 (no tier-poll thread) calls the tier only while this is True: each room says what it waits for
-        return (self.jobs.pending or self.lookups.pending or self.peer_lookups.pending or self.outbox.pending
-                or self.supervisor.wants_steps(self._stopping(), woken=self.waker is not None))
+        pending = (self.jobs.pending or self.lookups.pending or self.peer_lookups.pending or self.outbox.pending
+                   or self.supervisor.wants_steps(self._stopping(), woken=self.waker is not None))
+        if not pending and self.waker is not None:
+            self.waker.said_idle()  # it blocks on its input queue next: our next event wakes it without delay
+        return pending
 
     def drain_jobs(self) -> None:
         """vLLM's reset_cache (sleep, weight update), under its manager lock: when this returns every job is reported

@@ -32,9 +32,16 @@ class FakeEngineCore:
         """vLLM's idle loop: block on the input queue; on a wake, step while the manager has pending work.  Returns
         the seconds until ``until()`` held."""
         t0 = time.monotonic()
+        steps = 0
         # until() is asked once per check and never again once it held: it may step the peer (whose next step would
         # then go on past what the caller wants to look at)
         while not until():
+            if self.engine.mgr.has_pending_work():  # vLLM's has_work(): step, or block on the queue
+                self.engine.step()
+                steps += 1
+                assert steps < 100_000, "has_pending_work never settled"
+                time.sleep(0.001)  # vLLM 0.33 sleeps 1 ms between steps that run no model
+                continue
             left = t0 + timeout_s - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the idle engine was never woken for its peer")
@@ -43,14 +50,6 @@ class FakeEngineCore:
             except queue.Empty:
                 continue
             assert kind is EngineCoreRequestType.WAKEUP
-            steps = 0
-            while self.engine.mgr.has_pending_work():
-                if until():
-                    return time.monotonic() - t0
-                self.engine.step()
-                steps += 1
-                assert steps < 100_000, "has_pending_work never settled"
-                time.sleep(0.001)  # vLLM 0.33 sleeps 1 ms between steps that run no model
         return time.monotonic() - t0
 
 
@@ -107,6 +106,37 @@ def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller
     puller.step(["pull"])
     # the fetch: the source's worker offers the rows itself; the source engine reports its store job once woken
     source.idle_loop(lambda: puller.step() or (puller.idle() and owner.idle()), timeout_s=4.0)
+    puller.check_loaded(ctx, ids)
+    assert owner.tier.waker.wakes >= 1
+
+
+def test_a_source_that_just_went_idle_is_woken_at_once_not_after_idle_s(source, puller, monkeypatch):
+    """The source stepped a moment ago, then vLLM asked has_work() and got no: it blocks on its input queue.  A
+    peer's lookup that comes now wakes it without waiting for the tier to go uncalled for IDLE_S (raised to a
+    minute here: a wake that came only after it would miss every bound below)."""
+    from vllm_adapter import engine_hook
+
+    monkeypatch.setattr(engine_hook, "IDLE_S", 60.0)
+    ids = [30, 31]
+    owner = source.engine
+    owner.store("own", ids)
+    run_until([owner], owner.idle)
+    assert not owner.mgr.has_pending_work()  # vLLM 0.32's has_work() before it blocks: the tier says idle
+    host, port = owner.tier.worker_address.split(":")
+    ctx = ReqContext(req_id="pull", kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": "pull-2", "remote_host": host, "remote_port": int(port)}})
+    with puller.lock:
+        puller.mgr.on_new_request(ctx)
+    assert puller.lookup(ctx, ids) == [LookupResult.RETRY] * 2
+
+    def puller_answered() -> bool:
+        puller.step()
+        return puller.lookup(ctx, ids) != [LookupResult.RETRY] * 2
+
+    source.idle_loop(puller_answered, timeout_s=10.0)
+    assert puller.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 2
+    puller.step(["pull"])
+    source.idle_loop(lambda: puller.step() or (puller.idle() and owner.idle()), timeout_s=10.0)
     puller.check_loaded(ctx, ids)
     assert owner.tier.waker.wakes >= 1
 
