@@ -120,8 +120,8 @@ def test_a_source_that_just_went_idle_is_woken_at_once_not_after_idle_s(source, 
     ids = [30, 31]
     owner = source.engine
     owner.store("own", ids)
-    run_until([owner], owner.idle)
-    assert not owner.mgr.has_pending_work()  # vLLM 0.32's has_work() before it blocks: the tier says idle
+    # vLLM 0.32 steps while has_work() (the tier's has_pending_work) says so; its last "no" is where it blocks
+    run_until([owner], lambda: owner.idle() and not owner.mgr.has_pending_work())
     host, port = owner.tier.worker_address.split(":")
     ctx = ReqContext(req_id="pull", kv_transfer_params={
         "remote_kv_source": {"kv_request_id": "pull-2", "remote_host": host, "remote_port": int(port)}})
