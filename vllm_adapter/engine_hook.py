@@ -9,9 +9,10 @@ calls into vLLM beyond what its own code does):
   the puller's ``lookup_timeout_s`` (5 s), and then it recomputes.  vLLM wakes that same ``get()`` itself with its
   sentinel ``(EngineCoreRequestType.WAKEUP, None)`` (its SIGTERM path does; the loop handles it as a no-op and looks
   at ``has_work()`` again).  :class:`IdleWaker` is a daemon thread that sleeps on the event ring's bell and, while
-  the engine has not called the tier for ``IDLE_S``, puts that sentinel there when an event the tier must read
-  arrives; the tier's ``has_pending_work`` is True while events are unread, so the engine steps (once, an empty
-  step) and the tier reads and serves them.  A heartbeat is not such an event (the worker leaves at most one unread
+  the engine is idle (the tier answered ``has_pending_work`` with no since its last call, or it has not called the
+  tier for ``IDLE_S``), puts that sentinel there when an event the tier must read arrives; the tier's
+  ``has_pending_work`` is True while events are unread, so the engine steps (once, an empty step) and the tier
+  reads and serves them.  A heartbeat is not such an event (the worker leaves at most one unread
   heartbeat in the ring).  vLLM 0.33 needs none of this: its tier-poll thread calls ``get_finished_jobs`` and
   ``serve_external_requests`` every ``tier_poll_interval_s`` (1 ms by default), idle or not.
 - **Shutdown.**  ``vllm serve`` stops in drain mode: the engine core keeps stepping while any tier job is open, up to
@@ -43,7 +44,9 @@ from p2pworker.shm.ring import Ring
 
 log = logging.getLogger("vllm_adapter.engine_hook")
 
-IDLE_S = 0.05  # the tier not called for this long: the engine is idle (or inside one long step: a wake is harmless)
+# The tier not called for this long: the engine is idle (or inside one long step: a wake is harmless).  The bound for
+# an engine that stopped without asking has_pending_work; one that asked and heard no counts as idle at once.
+IDLE_S = 0.05
 WATCH_SLICE_S = 1.0  # the waker's longest sleep (it re-reads its ring after a worker restart at once: interrupt)
 REWAKE_S = 1.0  # a wake the engine did not answer (a step running) is repeated at most this often
 # An event whose encoding starts with this tag is a heartbeat (msgspec: {"type": "heartbeat", ...}); nothing else is.

@@ -45,7 +45,9 @@ class HandshakeAuth(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
 
 def handshake_proof(secret: bytes, role: bytes, cn: bytes, sn: bytes, client: str, server: str) -> bytes:
     """HMAC-SHA256 over both nonces and both node ids, bound to the prover's ``role`` (b"client"/b"server") so one
-    side's proof cannot be replayed as the other's.  Empty with authentication off (``secret`` empty)."""
+    side's proof cannot be replayed as the other's.  Empty with authentication off (``secret`` empty): an empty
+    proof matches an empty expectation, so a caller with authentication on must have refused an empty secret first
+    (``ZmqControl`` does, at construction)."""
     if not secret:
         return b""
     msg = b"p2pw-ctl-v1|" + role + b"|" + cn + sn + client.encode() + b"|" + server.encode()

@@ -317,7 +317,9 @@ def auto_copy_threads(cpus: int) -> int:
 class Copier:
     """Copies runs of rows from a :class:`SameHostSource` into our region: one ``memmove`` per run.  A piece of at
     least ``split_bytes`` is cut into chunks of ``chunk_bytes`` that ``threads`` threads (this one included) take
-    in turn from one counter.  Synchronous: every byte is copied when :meth:`copy` returns, or it raised."""
+    in turn from one counter.  Synchronous: every byte is copied when :meth:`copy` returns, or it raised.  ``pool``:
+    the helpers' executor, made at the first split copy when not given; a given one becomes the copier's, and
+    :meth:`close` shuts it down."""
 
     def __init__(self, dest: KVRegion, *, threads: int = 1, split_bytes: int = 4 << 20,
                  chunk_bytes: int = 1 << 20, pool: ThreadPoolExecutor | None = None) -> None:

@@ -53,6 +53,18 @@ class FakeEngineCore:
         return time.monotonic() - t0
 
 
+def start_pull(puller: Engine, owner: Engine, kv_request_id: str, ids: list[int]) -> ReqContext:
+    """A request on ``puller`` whose prefix lives on ``owner`` (llm-d's remote_kv_source): its first lookups RETRY
+    while the source is asked."""
+    host, port = owner.tier.worker_address.split(":")
+    ctx = ReqContext(req_id="pull", kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": int(port)}})
+    with puller.lock:
+        puller.mgr.on_new_request(ctx)
+    assert puller.lookup(ctx, ids) == [LookupResult.RETRY] * len(ids)
+    return ctx
+
+
 @pytest.fixture
 def source(free_port):
     core = FakeEngineCore("hooksrc", free_port())
@@ -84,12 +96,7 @@ def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller
     run_until([owner], owner.idle)
     time.sleep(2.0)  # idle: heartbeats arrive, unread
     assert source.input_queue.empty() and owner.tier.waker.wakes == 0, "an idle engine was woken for nothing"
-    host, port = owner.tier.worker_address.split(":")
-    ctx = ReqContext(req_id="pull", kv_transfer_params={
-        "remote_kv_source": {"kv_request_id": "pull-1", "remote_host": host, "remote_port": int(port)}})
-    with puller.lock:
-        puller.mgr.on_new_request(ctx)
-    assert puller.lookup(ctx, ids) == [LookupResult.RETRY] * 3
+    ctx = start_pull(puller, owner, "pull-1", ids)
     t0 = time.monotonic()
     answered = []
 
@@ -122,12 +129,7 @@ def test_a_source_that_just_went_idle_is_woken_at_once_not_after_idle_s(source, 
     owner.store("own", ids)
     # vLLM 0.32 steps while has_work() (the tier's has_pending_work) says so; its last "no" is where it blocks
     run_until([owner], lambda: owner.idle() and not owner.mgr.has_pending_work())
-    host, port = owner.tier.worker_address.split(":")
-    ctx = ReqContext(req_id="pull", kv_transfer_params={
-        "remote_kv_source": {"kv_request_id": "pull-2", "remote_host": host, "remote_port": int(port)}})
-    with puller.lock:
-        puller.mgr.on_new_request(ctx)
-    assert puller.lookup(ctx, ids) == [LookupResult.RETRY] * 2
+    ctx = start_pull(puller, owner, "pull-2", ids)
 
     def puller_answered() -> bool:
         puller.step()
