@@ -138,6 +138,7 @@ class IdleWaker:
             self._interrupt()  # the thread may be in its not-idle sleep
 
     def idle(self, now: float) -> bool:
+        """:func:`engine_idle` for this engine at ``now``."""
         return engine_idle(now, self._last_call(), self._idle_said_at)
 
     def retarget(self, ring: Ring | None) -> None:
@@ -192,7 +193,7 @@ class IdleWaker:
                 self._drain_interrupt()  # under the lock: a byte written after this wakes the next sleep
             if needs is None:
                 if self._ring is None:  # no worker: sleep until retarget (or a slice)
-                    select.select([self._rfd], [], [], WATCH_SLICE_S)
+                    self._nap(WATCH_SLICE_S)
             elif needs:
                 now = time.monotonic()  # the look may have slept
                 if not self.idle(now):
