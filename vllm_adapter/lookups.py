@@ -1,8 +1,9 @@
 """Symmetric lookups, both sides.
 
 ``AskedLookups`` (the asker, ``remote_kv_source``): a request's lookups are asked of the peer key by key, batched
-into one LookupKeys per request and peer at the next poll; each answers RETRY until the peer's answer arrives, then
-HIT or MISS.  Kept per kv_request_id, so a finished request is forgotten in time linear in its own keys.
+into one LookupKeys per request and peer at the step's end or the next poll, whichever comes first; each answers
+RETRY until the peer's answer arrives, then HIT or MISS.  Kept per kv_request_id, so a finished request is
+forgotten in time linear in its own keys.
 
 ``PeerLookups`` (the source): peers' lookups are answered in ``serve_external_requests``: vLLM is asked
 (``parent.lookup``), the hits pinned (``parent.create_store_job``) and parked under the asker's ``kv_request_id``,
@@ -36,8 +37,13 @@ class AskedLookups:
         """Keys to ask, or asked and not answered."""
         return bool(self._asking or self._lookups)
 
+    @property
+    def unsent(self) -> bool:
+        """Keys vLLM asked about that are not on their way to the worker yet."""
+        return bool(self._asking)
+
     def lookup(self, address: str, rid: str, key) -> LookupResult:
-        """The peer's answer for ``key``; RETRY while it is asked (batched at the next poll)."""
+        """The peer's answer for ``key``; RETRY while it is asked (batched at the step's end or the next poll)."""
         k = bytes(key)
         answers = self._answers.get(rid)
         answer = answers.get(k) if answers is not None else None
@@ -48,7 +54,7 @@ class AskedLookups:
             if k not in asked:
                 asked.add(k)
                 self._asking.setdefault((address, rid), []).append(k)
-            return LookupResult.RETRY  # asked (batched at the next poll); HIT or MISS once the peer answers
+            return LookupResult.RETRY  # asked (batched at the step's end); HIT or MISS once the peer answers
         return LookupResult.HIT if answer else LookupResult.MISS
 
     def forget(self, rid: str) -> None:
