@@ -15,6 +15,7 @@ ipc directory.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -26,6 +27,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,15 +88,15 @@ def autogroup() -> bool | None:
 
 
 # ---------------------------------------------------------------------------------------------------- configs
-def ours_tier(port: int, worker_config: str = "prefill") -> dict:
+def ours_tier(port: int, worker_config: str = "prefill", host: str = "127.0.0.1") -> dict:
     """The P2PWorkerTier entry, with configs/<worker_config>.toml (pd.sh's)."""
-    return {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port,
+    return {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": host, "port": port,
             "worker_config": os.path.join(ROOT, "configs", f"{worker_config}.toml")}
 
 
-def intree_tier(port: int) -> dict:
+def intree_tier(port: int, host: str = "127.0.0.1") -> dict:
     """vLLM's own p2p tier (NIXL over UCX; its consumers name a peer by the literal host:port it binds)."""
-    return {"type": "p2p", "host": "127.0.0.1", "port": port}
+    return {"type": "p2p", "host": host, "port": port}
 
 
 def kv_transfer_config(engine_id: str, tiers: list[dict], cpu_bytes: int = 64 << 20) -> dict:
@@ -113,19 +115,25 @@ class Engine:
     """One `vllm serve` process (its own session and process group) with the given --kv-transfer-config."""
 
     def __init__(self, name: str, *, python: str, model: str, kv: dict, http: int, bind: str, log_dir: str,
-                 secret: str, max_model_len: int = 2048, env: dict | None = None, args: tuple[str, ...] = ()):
-        self.name, self.kv, self.http = name, kv, http
+                 secret: str, max_model_len: int = 2048, env: dict | None = None, args: tuple[str, ...] = (),
+                 host: str = "127.0.0.1", inside: Callable[[list[str]], list[str]] | None = None):
+        """``inside``: an argv run inside another host (tests/helpers/hosts/emulate.py's ``TwoHosts.enter`` for one
+        host), with ``host`` that host's address; None: here, on loopback."""
+        self.name, self.kv, self.http, self.host, self.inside = name, kv, http, host, inside
         self.engine_id = kv["engine_id"]
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "wb")  # first: a log dir that is not there fails before anything exists
         self.rpc = tempfile.mkdtemp(prefix=f"p2pw-{name}.", dir="/tmp")  # vLLM's ZMQ ipc sockets
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
-                "--host", "127.0.0.1", "--port", str(http), "--kv-transfer-config", json.dumps(kv),
+                "--host", host, "--port", str(http), "--kv-transfer-config", json.dumps(kv),
                 "--shutdown-timeout", "10", "--enforce-eager", "--dtype", "float32", "--max-model-len",
                 str(max_model_len), "--max-num-seqs", "8", *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "P2PWORKER_SECRET": secret, "VLLM_RPC_BASE_PATH": self.rpc,
                     "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-        self.proc = subprocess.Popen(argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+        # inside a host nsenter starts the command at that host's root (its own mount namespace): env -C puts it
+        # back where cwd= puts it here
+        run = inside(["env", "-C", ROOT, *argv]) if inside else argv
+        self.proc = subprocess.Popen(run, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
         self.pid = self.proc.pid
         self.t_start = time.monotonic()
@@ -133,7 +141,7 @@ class Engine:
         self.stopped: dict | None = None
 
     def url(self, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.http}{path}"
+        return f"http://{self.host}:{self.http}{path}"
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -167,9 +175,44 @@ class Engine:
     def admins(self) -> list[str]:
         return sorted(glob.glob(f"/tmp/p2pworker-vllm-{self.engine_id}-*.admin"))
 
+    def server_pid(self) -> int | None:
+        """The API server's pid: the process started, or inside another host nsenter's one child (nsenter forwards
+        no signal, so SIGTERM must reach the server itself).  None once it is gone."""
+        if self.inside is None:
+            return self.pid if self.proc.poll() is None else None
+        try:
+            with open(f"/proc/{self.pid}/task/{self.pid}/children") as f:
+                kids = f.read().split()
+        except OSError:
+            return None
+        return int(kids[0]) if kids else None
+
+    def _shm_files(self) -> list[str]:
+        patterns = (f"/dev/shm/vllm_offload_{self.engine_id}*", f"/dev/shm/p2pw_*{self.engine_id}*")
+        if self.inside is None:
+            return [f for p in patterns for f in glob.glob(p)]
+        # that host's /dev/shm is its own tmpfs: looked at from inside (it goes with the host in any case)
+        try:
+            p = subprocess.run(self.inside(["sh", "-c", "ls -d " + " ".join(patterns) + " 2>/dev/null; true"]),
+                               capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            return [f"(/dev/shm inside the host not listed: {e})"]
+        return p.stdout.split()
+
+    def _remove_shm(self, files: list[str]) -> None:
+        if self.inside is not None:
+            if files:
+                with contextlib.suppress(OSError, subprocess.SubprocessError):  # reported as left in any case
+                    subprocess.run(self.inside(["rm", "-f", *files]), capture_output=True, timeout=30)
+            return
+        for f in files:
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+
     def leftover_files(self) -> list[str]:
-        return (glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*") + glob.glob(f"/dev/shm/p2pw_*{self.engine_id}*")
-                + self.admins())
+        return self._shm_files() + self.admins()
 
     def stop(self, timeout_s: float) -> dict:
         """SIGTERM the API server (vLLM stops its engine core, our tier its worker), wait; past timeout_s SIGKILL the
@@ -180,12 +223,16 @@ class Engine:
         pgid = self.pid
         killed = False
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            server = self.server_pid()
             try:
+                if server is None:  # nsenter has no child (yet): nothing to ask to stop
+                    raise ProcessLookupError(f"{self.name}: no API server process to signal")
+                os.kill(server, signal.SIGTERM)
                 self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, ProcessLookupError):
                 killed = True
-                os.killpg(pgid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
                 self.proc.wait(10)
         left = self._wait_group_gone(pgid, timeout_s)
         if left:
@@ -196,11 +243,13 @@ class Engine:
                 pass
         self.log.close()
         files = self.leftover_files()
+        self._remove_shm([f for f in files if f.startswith("/dev/shm/")])
         for f in files:
-            try:
-                os.unlink(f)
-            except OSError:
-                pass
+            if not f.startswith("/dev/shm/"):
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
         rpc_left = os.listdir(self.rpc) if os.path.isdir(self.rpc) else []
         shutil.rmtree(self.rpc, ignore_errors=True)
         self.stopped = {"stop_s": round(time.monotonic() - t0, 1), "rc": self.proc.returncode, "sigkill": killed,

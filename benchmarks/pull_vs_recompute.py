@@ -1,12 +1,14 @@
 """Time to first token with a prefix pulled from a peer over P2P versus recomputed, on real `vllm serve` engines.
 
     .venv-vllmcpu032/bin/python benchmarks/pull_vs_recompute.py [--chunks 1,2,4,8,15] [--reps 5]
-        [--tiers ours,intree] [--json F] [--plot docs/pull_vs_recompute.png] [--model DIR]
+        [--tiers ours,intree] [--hosts one|two] [--json F] [--plot docs/pull_vs_recompute.png] [--model DIR]
     .venv-vllmcpu032/bin/python benchmarks/pull_vs_recompute.py --replot F.json --plot docs/pull_vs_recompute.png
 
 Per tier (``ours``: the P2PWorkerTier; ``intree``: vLLM's own ``p2p`` tier, NIXL over UCX) one pair of engines on
 vLLM's CPU backend (benchmarks/engines.py; the tiny test model unless --model): a *source* on core 0 and a
-*puller* on core 1 (VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache).  Only one pair runs at a time.  Per prefix
+*puller* on core 1 (VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache), on this host or (``--hosts two``) each on its
+own emulated host (tests/helpers/hosts/emulate.py), this script a client on the puller's, where every pull must
+also have sent its KV bytes on the source host's veth.  Only one pair runs at a time.  Per prefix
 length (``--chunks`` offload blocks of ``--block-size`` tokens, plus a few tokens past the last block) and rep, each
 arm gets a fresh random token-ID prompt, arms in an order that rotates per rep:
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import functools
 import json
 import os
 import random
@@ -46,13 +49,16 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import engines  # noqa: E402
 from p2pworker.calibrate import (CachedTokens, Http, Point, Served, classify, crossover,  # noqa: E402
                                  expected_hit_tokens, total)
+from tests.helpers.hosts.emulate import NETNS, TwoHosts  # noqa: E402
 from tests.helpers.ports import free_ports  # noqa: E402
 
 TAIL = 8  # prompt tokens past the last full block: every block is then cacheable (vLLM computes the last token)
@@ -64,6 +70,18 @@ RUNNING = "vllm:num_requests_running"
 class Tier(enum.Enum):
     OURS = "ours"
     INTREE = "intree"
+
+
+class Hosts(enum.Enum):
+    ONE = "one"  # both engines here, on loopback: the same-host copy (ours) or cma (UCX)
+    TWO = "two"  # source and puller on two emulated hosts (tests/helpers/hosts/emulate.py): UCX over TCP on a veth
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an engine runs: its address, and how an argv gets inside its host (None: here)."""
+    host: str = "127.0.0.1"
+    inside: Callable[[list[str]], list[str]] | None = None
 
 
 class Arm(enum.Enum):
@@ -114,8 +132,12 @@ class Cell:
 class Pair:
     """A source and a puller engine with one tier, and the requests of every arm against them."""
 
-    def __init__(self, tier: Tier, a: argparse.Namespace, log_dir: str):
-        self.tier, self.a = tier, a
+    def __init__(self, tier: Tier, a: argparse.Namespace, log_dir: str,
+                 places: tuple[Place, Place] = (Place(), Place()), wire: Callable[[], int] | None = None):
+        """``wire``: bytes the source's host has sent on its network interface so far (two hosts): a pull must have
+        sent at least its KV that way, or it did not cross the wire."""
+        self.tier, self.a, self.places, self.wire = tier, a, places, wire
+        self.kv_bytes_per_token = kv_bytes_per_token(a.model)
         secret = secrets.token_hex(32)
         (src_http, pul_http, self.src_p2p, pul_p2p) = free_ports(4)
         py = os.path.join(a.venv, "bin", "python")
@@ -124,14 +146,16 @@ class Pair:
                       args=extra)
         self.engines: list[engines.Engine] = []
         try:
-            for name, http, p2p, bind, env in (("source", src_http, self.src_p2p, "0", {}),
-                                               ("puller", pul_http, pul_p2p, "1", {"VLLM_SERVER_DEV_MODE": "1"})):
-                entry = (engines.ours_tier(p2p, "prefill" if name == "source" else "decode") if tier is Tier.OURS
-                         else engines.intree_tier(p2p))
+            for name, http, p2p, bind, env, place in (
+                    ("source", src_http, self.src_p2p, "0", {"HOPTRACE_ROLE": f"{tier.value}_source"}, places[0]),
+                    ("puller", pul_http, pul_p2p, "1",
+                     {"VLLM_SERVER_DEV_MODE": "1", "HOPTRACE_ROLE": f"{tier.value}_puller"}, places[1])):
+                entry = (engines.ours_tier(p2p, "prefill" if name == "source" else "decode", place.host)
+                         if tier is Tier.OURS else engines.intree_tier(p2p, place.host))
                 kv = engines.kv_transfer_config(engines.new_engine_id(f"pvr-{tier.value}-{name}"), [entry],
                                                 a.cpu_mib << 20)
                 self.engines.append(engines.Engine(f"{tier.value}-{name}", kv=kv, http=http, bind=bind, env=env,
-                                                   **common))
+                                                   host=place.host, inside=place.inside, **common))
         except BaseException:
             self.stop()  # the source started, the puller did not: never leave the source running
             raise
@@ -145,7 +169,13 @@ class Pair:
             self.complete(http, ids(1000, 3 + i, 300), 4)
 
     def stop(self) -> dict:
-        return {e.name: e.stop(self.a.stop_timeout_s) for e in self.engines}
+        out = {}
+        for e in self.engines:  # each one stopped, whatever the other's stop did
+            try:
+                out[e.name] = e.stop(self.a.stop_timeout_s)
+            except Exception as err:  # noqa: BLE001 - reported as an unclean stop, never hides the other engine
+                out[e.name] = {"error": repr(err), "left_processes": ["unknown: the stop raised"]}
+        return out
 
     # ------------------------------------------------------------ requests
     @staticmethod
@@ -155,7 +185,7 @@ class Pair:
         return c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]
 
     def remote_source(self) -> dict:
-        return {"remote_kv_source": {"kv_request_id": f"pvr-{uuid.uuid4().hex}", "remote_host": "127.0.0.1",
+        return {"remote_kv_source": {"kv_request_id": f"pvr-{uuid.uuid4().hex}", "remote_host": self.places[0].host,
                                      "remote_port": self.src_p2p}}
 
     def reset_device_cache(self) -> None:
@@ -203,30 +233,53 @@ class Pair:
             self.complete(self.source, prompt, 1)
             time.sleep(self.a.settle_s)
 
-    def timed(self, arm: Arm, prompt: list[int]) -> tuple[float, CachedTokens]:
+    def timed(self, arm: Arm, prompt: list[int]) -> tuple[float, CachedTokens, int | None]:
+        """TTFT, the puller's cached-token deltas, and (two hosts) the bytes the source's host sent meanwhile."""
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
         if arm.pulls:
             body["kv_transfer_params"] = self.remote_source()
         with self.busy_source() if arm is Arm.PULL_BUSY else contextlib.nullcontext():
+            wire0 = self.wire() if self.wire else None  # outside the timed window: a subprocess each
             before = self.puller.cached()
             sent = time.monotonic_ns()
             took = self.puller.ttft(body)
             delta = self.puller.cached() - before
+            wired = self.wire() - wire0 if self.wire else None
         if self.a.ttft_log:  # on the workers' trace clock: benchmarks/hops/pulls.py aligns the two
             rid = body.get("kv_transfer_params", {}).get("remote_kv_source", {}).get("kv_request_id", "-")
             with open(self.a.ttft_log, "a") as f:
-                f.write(f"{sent} {sent + int(took * 1e9)} {rid}\n")
-        return took, delta
+                f.write(f"{sent} {sent + int(took * 1e9)} {rid} {arm.value} {self.tier.value}\n")
+        return took, delta, wired
 
     def cell(self, arm: Arm, chunks: int, rep: int, seed: int) -> Cell:
         tokens = chunks * self.a.block_size + TAIL
         prompt = ids(0, seed, tokens)
         want = self.complete(self.puller, prompt, cache_salt=f"baseline-{uuid.uuid4().hex}")
         self.prepare(arm, prompt)
-        took, delta = self.timed(arm, prompt)
+        took, delta, wired = self.timed(arm, prompt)
         hit = expected_hit_tokens(tokens, self.a.block_size)
-        problem = arm_problem(arm, delta, hit) or answer_problem(self.complete(self.puller, prompt), want)
+        problem = (arm_problem(arm, delta, hit) or wire_problem(arm, delta, wired, self.kv_bytes_per_token)
+                   or answer_problem(self.complete(self.puller, prompt), want))
         return Cell(self.tier, arm, chunks, tokens, rep, took, classify(delta, hit), delta, problem)
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """What one token's K and V weigh at least, every layer, float32 (the engines' --dtype): from the model's
+    config.json."""
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+
+
+def wire_problem(arm: Arm, delta: CachedTokens, wired: int | None, per_token: int) -> str | None:
+    """Two hosts: a pull whose source host sent fewer bytes on its interface than the KV it served did not cross
+    the wire (a same-host path or shared memory would leave the interface quiet).  None when it did, or when no
+    wire is watched."""
+    if wired is None or not arm.pulls:
+        return None
+    need = int(delta.p2p) * per_token
+    return None if wired >= need else f"{arm.value}: the source host sent {wired} B, less than {need} B of KV pulled"
 
 
 def ids(salt: int, seed: int, n: int) -> list[int]:
@@ -246,7 +299,28 @@ def answer_problem(got: tuple[list, list], want: tuple[list, list]) -> str | Non
 
 # ---------------------------------------------------------------------------------------------------- the run
 def run_tier(tier: Tier, a: argparse.Namespace, log_dir: str, report: dict) -> list[Cell]:
-    pair = Pair(tier, a, log_dir)
+    if Hosts(a.hosts) is Hosts.ONE:
+        return run_pair(tier, a, log_dir, report)
+    hosts = TwoHosts("pvr", Path(log_dir))
+    out: dict = report.setdefault("tiers", {}).setdefault(tier.value, {})
+    try:
+        hosts.make()
+        if hosts.mode != NETNS:
+            raise RuntimeError(f"--hosts two needs network namespaces (root, `ip netns`): {hosts.why}")
+        hosts.hold(shm_size="2g")  # each host's own /dev/shm: its engine's CPU tier, rings, our region
+        out["hosts"] = {"mode": hosts.mode, "source": hosts.ips[0], "puller": hosts.ips[1]}
+        places = tuple(Place(hosts.ips[i], functools.partial(hosts.enter, i)) for i in range(2))
+        with hosts.client_in(1):  # this script is a client on the puller's host; the source is across the veth
+            return run_pair(tier, a, log_dir, report, places, wire=hosts.wire_bytes)
+    finally:
+        left = hosts.release()  # every process still inside a host dies with it
+        if left:
+            out["left_namespaces"] = left
+
+
+def run_pair(tier: Tier, a: argparse.Namespace, log_dir: str, report: dict,
+             places: tuple[Place, Place] = (Place(), Place()), wire: Callable[[], int] | None = None) -> list[Cell]:
+    pair = Pair(tier, a, log_dir, places, wire)
     out: dict = report.setdefault("tiers", {}).setdefault(tier.value, {})
     cells: list[Cell] = []
     try:
@@ -352,6 +426,9 @@ def plot(summary: dict, path: str, title: str) -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiers", default="ours,intree", help="comma-separated: ours, intree")
+    ap.add_argument("--hosts", default=Hosts.ONE.value, choices=[h.value for h in Hosts],
+                    help="one: both engines on this host; two: source and puller on two emulated hosts (network "
+                         "namespaces and a veth; needs root), this script a client on the puller's")
     ap.add_argument("--arms", default=",".join(a.value for a in Arm), help="comma-separated subset of the arms")
     ap.add_argument("--chunks", default="", help="prefix lengths in offload blocks (default: 1,2,4,... and the "
                                                  "longest that fits --max-model-len)")
@@ -371,7 +448,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the TTFT plot ('' for none)")
     ap.add_argument("--replot", default=None, help="draw --plot from this --json of an earlier run; start nothing")
     ap.add_argument("--ttft-log", default=None, help="append each timed request's send and first-token "
-                    "CLOCK_MONOTONIC ns and its pull id here (benchmarks/hops/pulls.py)")
+                    "CLOCK_MONOTONIC ns, its pull id and its arm here (benchmarks/hops/pulls.py)")
     ap.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir, kept on failure only)")
     a = ap.parse_args(argv)
     longest = (a.max_model_len - TAIL - ANSWER_TOKENS) // a.block_size
@@ -420,6 +497,8 @@ def _finish(a: argparse.Namespace, report: dict, cells: list[Cell]) -> int:
     # leaves its ipc sockets) are removed and only reported; a process left behind is a failure
     unclean = {f"{t}/{n}": s for t, r in report.get("tiers", {}).items() for n, s in r.get("stop", {}).items()
                if s["left_processes"]}
+    unclean.update({f"{t}/namespaces": r["left_namespaces"] for t, r in report.get("tiers", {}).items()
+                    if r.get("left_namespaces")})
     report.update(failed=failed, unclean_stops=unclean)
     print()
     print(table(summary))

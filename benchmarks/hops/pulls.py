@@ -2,10 +2,14 @@
 trace rows, per pull.
 
     rm -rf /tmp/pulls && mkdir /tmp/pulls
-    HOPTRACE_DIR=/tmp/pulls P2PWORKER_HOOK=benchmarks.hops.trace_hook:install PYTHONPATH=$PWD \\
+    HOPTRACE_DIR=/tmp/pulls P2PWORKER_HOOK=benchmarks.hops.trace_hook:install \\
+      PYTHONPATH=$PWD/benchmarks/hops/engine_site:$PWD \\
       .venv-vllmcpu032/bin/python benchmarks/pull_vs_recompute.py --tiers ours --arms pull_idle,local \\
-      --chunks 8 --reps 8 --ttft-log /tmp/pulls/ttft.txt
+      --chunks 8 --reps 8 --ttft-log /tmp/pulls/ttft.txt --plot ''
     python benchmarks/hops/pulls.py /tmp/pulls
+
+(``benchmarks/hops/engine_site`` on PYTHONPATH also traces the engine cores' steps, engine_site/sitecustomize.py;
+without it the ``finish`` hop stays whole.)
 
 Rows of the two workers (``worker_*source*.txt``, ``worker_*puller*.txt``, from trace_hook.py) and the client's
 ``--ttft-log`` (send and first-token CLOCK_MONOTONIC ns, the pull's kv_request_id) are on one clock.  Per pull:
@@ -17,7 +21,11 @@ Rows of the two workers (``worker_*source*.txt``, ``worker_*puller*.txt``, from 
 * ``submit``: LookupResp -> the puller's LoadJob taken (its scheduler's next pass: HIT, then submit_load);
 * ``fetch``: LoadJob -> the JobFinished put (Fetch, Offer, the read or same-host copy);
 * ``finish``: JobFinished put -> first token (the puller's promotion into its CPU tier, load to device, prefill of
-  the tail).
+  the tail).  With the engine's rows it splits into ``notice`` (-> the tier hands vLLM the finished job), ``rematch``
+  (-> the connector's next lookup hits the promoted prefix in the CPU tier), ``load`` (-> the first step that runs
+  the model: the device load in between), ``prefill`` (that step: the tail, the first token) and ``respond`` (-> the
+  client reads the token: the API server's output path and HTTP).  A local hit splits the same way from ``to_match``
+  (request sent -> the CPU tier's hit) on.
 
 Then the median of each hop and, per hop, how much of its wall time the worker threads spent on a CPU (the trace
 rows carry each thread's CPU time): a hop of tens of ms with well under 1 ms of CPU was waiting for a core.
@@ -33,6 +41,10 @@ import sys
 from dataclasses import dataclass
 
 HOPS = ("intake", "ask", "serve", "answer", "submit", "fetch", "finish")
+# ``finish`` split by the puller engine's own rows (engine_site/sitecustomize.py), when the trace has them
+FINISH = ("notice", "rematch", "load", "prefill", "respond")
+# a local hit's time to first token split the same way: from the request sent to the CPU tier's hit, then as above
+LOCAL = ("to_match", "load", "prefill", "respond")
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class Row:
 
 
 def load(trace_dir: str) -> list[Row]:
-    rows = []
+    rows = load_engine(trace_dir)
     for side, pattern in (("S", "source"), ("P", "puller")):
         paths = glob.glob(os.path.join(trace_dir, f"worker_*{pattern}*.txt"))
         if len(paths) != 1:
@@ -55,6 +67,30 @@ def load(trace_dir: str) -> list[Row]:
             rows.append(Row(int(p[0]), side, p[1], tuple(p[2:-1]), int(p[-1].removeprefix("cpu="))))
     rows.sort(key=lambda r: r.ns)
     return rows
+
+
+def load_engine(trace_dir: str) -> list[Row]:
+    """The puller engine core's rows (side ``E``), if it was traced; [] if not."""
+    rows = []
+    for path in glob.glob(os.path.join(trace_dir, "engine_ours_puller_*.txt")):
+        for line in open(path):
+            p = line.split()
+            rows.append(Row(int(p[0]), "E", p[1], tuple(p[2:-1]), int(p[-1].removeprefix("cpu="))))
+    return rows
+
+
+def engine_marks(rows: list[Row], times: list[int], start: int, until: int) -> tuple[int, int, int] | None:
+    """Between ``start`` and ``until`` (the client's first token): the engine's first hit of a prefix (a ``match``
+    of more than 0 tokens), the start and the end of its first step after that which ran the model (the tail's
+    prefill, which makes the first token).  None when the window has none (a request that recomputed)."""
+    inside = rows[bisect.bisect_left(times, start):bisect.bisect_right(times, until)]
+    hit = next((r for r in inside if r.side == "E" and r.tag == "match" and r.info[1].isdigit()
+                and int(r.info[1]) > 0), None)  # None: "ask again later" (a pull in flight)
+    ran = hit and next((r for r in inside if r.ns >= hit.ns and r.side == "E" and r.tag == "step"
+                        and r.info[0] == "1"), None)
+    if ran is None:
+        return None
+    return hit.ns, int(ran.info[2].removeprefix("t0=")), ran.ns
 
 
 def first(rows: list[Row], times: list[int], side: str, tag: str, what: str, rid: str | None = None,
@@ -79,10 +115,19 @@ def pulls(trace_dir: str) -> list[dict]:
     times = [r.ns for r in rows]
     out = []
     for line in open(os.path.join(trace_dir, "ttft.txt")):
-        sent, first_token, rid = line.split()
-        if rid == "-":
-            continue  # not a pull
+        sent, first_token, rid, *rest = line.split()
+        arm = rest[0] if rest else "pull"  # older logs: no arm, no tier column
+        tier = rest[1] if len(rest) > 1 else "ours"
+        if tier != "ours":
+            continue  # the in-tree tier's requests: no worker of ours traced them
         sent, first_token = int(sent), int(first_token)
+        if rid == "-":  # not a pull: a local hit is split by the engine's rows, if any
+            em = arm == "local" and engine_marks(rows, times, sent, first_token)
+            if em:
+                marks = (sent, *em, first_token)
+                out.append({"rid": "-", "arm": "local", "ttft_ms": (first_token - sent) / 1e6,
+                            "hops_ms": {h: (b - a) / 1e6 for h, a, b in zip(LOCAL, marks, marks[1:])}})
+            continue
         keys = first(rows, times, "P", "cmd", "LookupKeys", rid, sent)
         lookup = keys and first(rows, times, "S", "dec", "Lookup", rid, keys.ns)
         answer = lookup and first(rows, times, "S", "cmd", "AnswerLookup", None, lookup.ns)
@@ -96,14 +141,33 @@ def pulls(trace_dir: str) -> list[dict]:
         hops = {h: (b - a) / 1e6 for h, a, b in zip(HOPS, marks, marks[1:])}
         cpu = {h: cpu_between(rows, side, a, b) for h, side, a, b in
                zip(HOPS[1:-1], "SSPPP", marks[1:], marks[2:])}
-        out.append({"rid": rid, "ttft_ms": (first_token - sent) / 1e6, "hops_ms": hops, "worker_cpu_ms": cpu})
+        # the engine's collection of this load job (the LoadJob row names its job id, the fin row the ids it took)
+        job = load_job.info[1]
+        fin = next((r for r in rows[bisect.bisect_left(times, loaded.ns):bisect.bisect_right(times, first_token)]
+                    if r.side == "E" and r.tag == "fin" and job in r.info[1:]), None)
+        em = fin and engine_marks(rows, times, fin.ns, first_token)
+        if em:
+            fm = (loaded.ns, fin.ns, *em, first_token)
+            hops.update({h: (b - a) / 1e6 for h, a, b in zip(FINISH, fm, fm[1:])})
+        out.append({"rid": rid, "arm": arm, "ttft_ms": (first_token - sent) / 1e6,
+                    "hops_ms": hops, "worker_cpu_ms": cpu})
     return out
 
 
 def main() -> int:
-    ps = pulls(sys.argv[1])
+    every = pulls(sys.argv[1])
+    ps = [p for p in every if p["rid"] != "-"]
     if not ps:
         raise SystemExit("no complete pull in the trace")
+    split = [p for p in ps if "notice" in p["hops_ms"]]
+    local = [p for p in every if p["rid"] == "-"]
+    if split:
+        print("the pulls' finish, by the puller engine's rows (median ms): " + ", ".join(
+            f"{h} {statistics.median(p['hops_ms'][h] for p in split):.1f}" for h in FINISH) + f" ({len(split)} pulls)")
+    if local:
+        print("local hits, by the puller engine's rows (median ms): " + ", ".join(
+            f"{h} {statistics.median(p['hops_ms'][h] for p in local):.1f}" for h in LOCAL)
+            + f"; ttft {statistics.median(p['ttft_ms'] for p in local):.1f} ({len(local)} hits)")
     print("pull      " + " ".join(f"{h:>8}" for h in HOPS) + "     ttft   (ms)")
     for p in ps:
         print(f"{p['rid'][4:12]:9} " + " ".join(f"{p['hops_ms'][h]:8.1f}" for h in HOPS) + f" {p['ttft_ms']:8.1f}")

@@ -6,11 +6,14 @@ load and restored."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.helpers.hosts.emulate import NETNS, two_hosts
+from tests.helpers.hosts.emulate import NETNS, TwoHosts, two_hosts
 from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -143,3 +146,47 @@ def test_a_worker_bound_on_every_interface_advertises_its_wire_address(tmp_path)
         rep = transfer(hosts, "adv", list(range(8)), list(range(32, 40)), job=10)
         assert rep["success"], rep
         assert same_bytes(hosts, list(range(8)), list(range(32, 40)))
+
+
+def test_a_client_in_one_host_reaches_the_other_across_the_wire_and_comes_back(tmp_path):
+    """TwoHosts.client_in: this thread's sockets open inside host b's network (as a benchmark's client on the puller's
+    host), reach host a's address across the veth, and the thread is back in its own network afterwards."""
+    hosts = TwoHosts("cli", tmp_path)
+    hosts.make()
+    if hosts.mode != NETNS:
+        pytest.skip(f"network namespaces refused here: {hosts.why}")
+    listener = None
+    try:
+        hosts.hold(shm_size="16m")
+        ia, ib = hosts.ips
+        port = free_port()
+        listener = subprocess.Popen(hosts.enter(0, [sys.executable, "-c", SERVE_ONE, ia, str(port)]),
+                                    stdout=subprocess.PIPE, text=True)
+        assert listener.stdout.readline().strip() == "ready"
+        with pytest.raises(OSError):  # host b's address is not on this machine's own network
+            socket.socket().bind((ib, 0))
+        with hosts.client_in(1):
+            with socket.socket() as s:
+                s.bind((ib, 0))  # inside host b
+            with socket.create_connection((ia, port), timeout=10) as s:
+                assert s.recv(16) == b"host a"
+        with pytest.raises(OSError):  # back home
+            socket.socket().bind((ib, 0))
+        assert listener.wait(timeout=10) == 0
+    finally:
+        if listener is not None and listener.poll() is None:
+            listener.kill()
+            listener.wait(timeout=10)
+        left = hosts.release()
+    assert not left, left
+
+
+# inside host a: accept one connection on (argv[1], argv[2]), answer "host a"
+SERVE_ONE = """
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+c, _ = s.accept()
+c.sendall(b"host a")
+c.close()
+"""

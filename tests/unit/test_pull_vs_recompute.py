@@ -4,10 +4,14 @@ crossover, and the table."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks.pull_vs_recompute import Arm, Cell, Tier, parse_args, answer_problem, arm_problem, summarize, table
+from benchmarks.pull_vs_recompute import (Arm, Cell, Tier, answer_problem, arm_problem, kv_bytes_per_token,
+                                          parse_args, summarize, table, wire_problem)
 from p2pworker.calibrate import CachedTokens, Served, classify
+from tests.helpers.tiny_model import CONFIG
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,3 +84,17 @@ def test_default_chunks_reach_the_longest_prefix_that_fits():
     assert a.chunk_list == [1, 2, 4, 8, 15]  # 15 * 128 + 8 tokens + 12 answer tokens <= 2048
     with pytest.raises(SystemExit):
         parse_args(["--chunks", "16"])
+
+
+def test_a_pull_across_hosts_must_have_sent_its_kv_on_the_wire(tmp_path):
+    """--hosts two: the source host's interface must have sent at least the KV of the pulled tokens (a pull through
+    shared memory or a same-host copy leaves it quiet); other arms, and one host, are not judged by it."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    per_token = kv_bytes_per_token(str(tmp_path))
+    assert per_token == (CONFIG["num_hidden_layers"] * 2 * CONFIG["num_key_value_heads"]
+                         * CONFIG["hidden_size"] // CONFIG["num_attention_heads"] * 4)
+    pulled = CachedTokens(p2p=HIT)
+    assert wire_problem(Arm.PULL_IDLE, pulled, HIT * per_token, per_token) is None
+    assert "less than" in wire_problem(Arm.PULL_BUSY, pulled, HIT * per_token - 1, per_token)
+    assert wire_problem(Arm.PULL_IDLE, pulled, None, per_token) is None  # one host: no wire watched
+    assert wire_problem(Arm.LOCAL, CachedTokens(host=HIT), 0, per_token) is None

@@ -17,7 +17,7 @@ import vllm
 from p2pworker import api
 from p2pworker.errors import P2PError
 from p2pworker.session.session import SessionConfig, longest_hold_s
-from tests.helpers.vllm_engines import ROW, Engine, LookupResult, ReqContext, run_until
+from tests.helpers.vllm_engines import ROW, Engine, LookupResult, ReqContext, ScheduleEndContext, key, run_until
 from vllm_adapter.tier import (
     DRAIN_SLACK_S,
     M_DEATHS,
@@ -336,10 +336,15 @@ def test_symmetric_sharing_retry_then_hit_and_bytes_land(pd):
         "remote_kv_source": {"kv_request_id": "sym-1", "remote_host": host, "remote_port": int(port)}})
     with reader.lock:
         reader.mgr.on_new_request(ctx)
-    assert reader.lookup(ctx, ids + [99]) == [LookupResult.RETRY] * 4  # asked, not answered yet
-    reader.step(["sym"])
-    # handed to the worker by that step's on_schedule_end, not left for the next step's first poll
-    assert not reader.tier.lookups.unsent and reader.tier.outbox.commands == [] and reader.tier.lookups.pending
+    sent = []
+    real_send = reader.tier.outbox.send
+    reader.tier.outbox.send = lambda cmd: sent.append(cmd) or real_send(cmd)
+    with reader.lock:  # one step, held as vLLM holds it: 0.33's tier-poll thread cannot send the asks meanwhile
+        assert [reader.mgr.lookup(key(i), ctx) for i in ids + [99]] == [LookupResult.RETRY] * 4  # asked
+        reader.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=["sym"], preempted_req_ids=[]))
+        # handed to the worker by that step's on_schedule_end, not left for the next step's first poll
+        assert not reader.tier.lookups.unsent and reader.tier.outbox.commands == []
+    assert [type(c) for c in sent] == [api.LookupKeys] and len(sent[0].keys) == 4
     run_until([reader, owner], lambda: reader.lookup(ctx, [99]) != [LookupResult.RETRY])
     assert reader.lookup(ctx, [99]) == [LookupResult.MISS]  # the owner does not hold 99
     assert reader.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 3  # tier HIT -> promotion

@@ -13,12 +13,15 @@ and :attr:`TwoHosts.mode` says so; the tests print which one ran.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import secrets
 import select
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +35,7 @@ PRIVATE_SHM = "one host, loopback, b with a private /dev/shm"
 # one host, b in its own PID namespace but sharing this host's /dev/shm (containers that mount the host's /dev/shm
 # but not --pid=host): b opens a's files, yet a's pid means nothing there, so its death could not be seen
 PRIVATE_PID = "one host, loopback, b in its own PID namespace, /dev/shm shared"
+_CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2) into a network namespace
 
 
 class Host:
@@ -218,6 +222,36 @@ class TwoHosts:
             return argv
         return ["nsenter", "-t", str(self.init_pids[i]), "-n", "-m", "-p", "-i", "--", *argv]
 
+    @contextlib.contextmanager
+    def client_in(self, i: int):
+        """This thread's new sockets open inside host ``i``'s network (where a client of that host would be), as
+        `ip netns exec` puts a command there; back in this thread's own network on exit.  Netns mode only, after
+        :meth:`hold`.  Only this thread moves (setns(2) acts on the calling thread), and sockets opened before
+        stay where they were."""
+        assert self.mode == NETNS and self.init_pids, "hold() the namespaces first"
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def setns(path: str) -> None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns({path}): {os.strerror(err)}")
+            finally:
+                os.close(fd)
+
+        home = f"/proc/self/task/{threading.get_native_id()}/ns/net"
+        back = os.open(home, os.O_RDONLY)  # held open: the way back, whatever happens to the host meanwhile
+        try:
+            try:
+                setns(f"/proc/{self.init_pids[i]}/ns/net")
+                yield
+            finally:  # also when interrupted right after the move in (moving back home is then a no-op at worst)
+                if libc.setns(back, _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns back to this thread's own network failed")
+        finally:
+            os.close(back)
+
     def make(self) -> None:
         """The namespaces and the wire, for :meth:`hold`; where refused (or $P2PW_HOSTS_LOOPBACK is set), mode
         becomes the loopback fallback and the caller runs both hosts' commands here with UCX_TLS=tcp,self."""
@@ -233,6 +267,13 @@ class TwoHosts:
     def release(self) -> list[str]:
         """End the holders (every process left in a host's PID namespace dies with its pid 1), then the
         namespaces; returns what was left behind."""
+        for holder, pid in zip(self.holders, self.init_pids):
+            # a host's pid 1 (the reaper) ignores SIGTERM as every pid 1 does, and unshare passes no signal on: only
+            # SIGKILL ends it (and with it every process left in its PID namespace); then unshare exits.  Only while
+            # its unshare lives: then that pid is still the reaper, never a recycled one.
+            if holder.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         for holder in self.holders:
             if holder.poll() is None:
                 holder.terminate()
