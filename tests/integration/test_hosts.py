@@ -150,7 +150,8 @@ def test_a_worker_bound_on_every_interface_advertises_its_wire_address(tmp_path)
 
 def test_a_client_in_one_host_reaches_the_other_across_the_wire_and_comes_back(tmp_path):
     """TwoHosts.client_in: this thread's sockets open inside host b's network (as a benchmark's client on the puller's
-    host), reach host a's address across the veth, and the thread is back in its own network afterwards."""
+    host), reach host a's address across the veth, and the thread is back in its own network afterwards, also when
+    the body raised."""
     hosts = TwoHosts("cli", tmp_path)
     hosts.make()
     if hosts.mode != NETNS:
@@ -171,6 +172,10 @@ def test_a_client_in_one_host_reaches_the_other_across_the_wire_and_comes_back(t
             with socket.create_connection((ia, port), timeout=10) as s:
                 assert s.recv(16) == b"host a"
         with pytest.raises(OSError):  # back home
+            socket.socket().bind((ib, 0))
+        with pytest.raises(ZeroDivisionError), hosts.client_in(1):  # an error inside: back home all the same
+            1 / 0
+        with pytest.raises(OSError):
             socket.socket().bind((ib, 0))
         assert listener.wait(timeout=10) == 0
     finally:
