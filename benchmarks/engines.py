@@ -200,19 +200,11 @@ class Engine:
         return p.stdout.split()
 
     def _remove_shm(self, files: list[str]) -> None:
-        if self.inside is not None:
-            if files:
-                with contextlib.suppress(OSError, subprocess.SubprocessError):  # reported as left in any case
-                    subprocess.run(self.inside(["rm", "-f", *files]), capture_output=True, timeout=30)
-            return
-        for f in files:
-            try:
-                os.unlink(f)
-            except OSError:
-                pass
-
-    def leftover_files(self) -> list[str]:
-        return self._shm_files() + self.admins()
+        if self.inside is None:
+            _unlink(files)
+        elif files:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):  # reported as left in any case
+                subprocess.run(self.inside(["rm", "-f", *files]), capture_output=True, timeout=30)
 
     def stop(self, timeout_s: float) -> dict:
         """SIGTERM the API server (vLLM stops its engine core, our tier its worker), wait; past timeout_s SIGKILL the
@@ -242,14 +234,10 @@ class Engine:
             except ProcessLookupError:
                 pass
         self.log.close()
-        files = self.leftover_files()
-        self._remove_shm([f for f in files if f.startswith("/dev/shm/")])
-        for f in files:
-            if not f.startswith("/dev/shm/"):
-                try:
-                    os.unlink(f)
-                except OSError:
-                    pass
+        shm, admins = self._shm_files(), self.admins()
+        self._remove_shm(shm)
+        _unlink(admins)  # /tmp is this host's in either case
+        files = shm + admins
         rpc_left = os.listdir(self.rpc) if os.path.isdir(self.rpc) else []
         shutil.rmtree(self.rpc, ignore_errors=True)
         self.stopped = {"stop_s": round(time.monotonic() - t0, 1), "rc": self.proc.returncode, "sigkill": killed,
@@ -267,3 +255,9 @@ class Engine:
                 break
             time.sleep(0.5)
         return left
+
+
+def _unlink(paths: list[str]) -> None:
+    for f in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(f)

@@ -56,27 +56,30 @@ class Row:
     cpu_ns: int
 
 
+def read_rows(path: str, side: str) -> list[Row]:
+    """One trace file's rows "<ns> <tag> [info...] cpu=<ns>" (the workers' and the engines' share the format)."""
+    rows = []
+    for line in open(path):
+        p = line.split()
+        rows.append(Row(int(p[0]), side, p[1], tuple(p[2:-1]), int(p[-1].removeprefix("cpu="))))
+    return rows
+
+
 def load(trace_dir: str) -> list[Row]:
-    rows = load_engine(trace_dir)
+    # the puller engine core's rows (side E), if it was traced
+    rows = [r for path in glob.glob(os.path.join(trace_dir, "engine_ours_puller_*.txt")) for r in read_rows(path, "E")]
     for side, pattern in (("S", "source"), ("P", "puller")):
         paths = glob.glob(os.path.join(trace_dir, f"worker_*{pattern}*.txt"))
         if len(paths) != 1:
             raise SystemExit(f"{trace_dir}: expected one worker_*{pattern}*.txt, found {len(paths)}")
-        for line in open(paths[0]):
-            p = line.split()
-            rows.append(Row(int(p[0]), side, p[1], tuple(p[2:-1]), int(p[-1].removeprefix("cpu="))))
+        rows += read_rows(paths[0], side)
     rows.sort(key=lambda r: r.ns)
     return rows
 
 
-def load_engine(trace_dir: str) -> list[Row]:
-    """The puller engine core's rows (side ``E``), if it was traced; [] if not."""
-    rows = []
-    for path in glob.glob(os.path.join(trace_dir, "engine_ours_puller_*.txt")):
-        for line in open(path):
-            p = line.split()
-            rows.append(Row(int(p[0]), "E", p[1], tuple(p[2:-1]), int(p[-1].removeprefix("cpu="))))
-    return rows
+def spans(names: tuple[str, ...], marks: tuple[int, ...]) -> dict[str, float]:
+    """ms between consecutive marks (ns), named."""
+    return {h: (b - a) / 1e6 for h, a, b in zip(names, marks, marks[1:])}
 
 
 def engine_marks(rows: list[Row], times: list[int], start: int, until: int) -> tuple[int, int, int] | None:
@@ -124,9 +127,8 @@ def pulls(trace_dir: str) -> list[dict]:
         if rid == "-":  # not a pull: a local hit is split by the engine's rows, if any
             em = arm == "local" and engine_marks(rows, times, sent, first_token)
             if em:
-                marks = (sent, *em, first_token)
                 out.append({"rid": "-", "arm": "local", "ttft_ms": (first_token - sent) / 1e6,
-                            "hops_ms": {h: (b - a) / 1e6 for h, a, b in zip(LOCAL, marks, marks[1:])}})
+                            "hops_ms": spans(LOCAL, (sent, *em, first_token))})
             continue
         keys = first(rows, times, "P", "cmd", "LookupKeys", rid, sent)
         lookup = keys and first(rows, times, "S", "dec", "Lookup", rid, keys.ns)
@@ -138,7 +140,7 @@ def pulls(trace_dir: str) -> list[dict]:
             print(f"{rid}: incomplete trace, skipped", file=sys.stderr)
             continue
         marks = (sent, keys.ns, lookup.ns, answer.ns, resp.ns, load_job.ns, loaded.ns, first_token)
-        hops = {h: (b - a) / 1e6 for h, a, b in zip(HOPS, marks, marks[1:])}
+        hops = spans(HOPS, marks)
         cpu = {h: cpu_between(rows, side, a, b) for h, side, a, b in
                zip(HOPS[1:-1], "SSPPP", marks[1:], marks[2:])}
         # the engine's collection of this load job (the LoadJob row names its job id, the fin row the ids it took)
@@ -147,8 +149,7 @@ def pulls(trace_dir: str) -> list[dict]:
                     if r.side == "E" and r.tag == "fin" and job in r.info[1:]), None)
         em = fin and engine_marks(rows, times, fin.ns, first_token)
         if em:
-            fm = (loaded.ns, fin.ns, *em, first_token)
-            hops.update({h: (b - a) / 1e6 for h, a, b in zip(FINISH, fm, fm[1:])})
+            hops.update(spans(FINISH, (loaded.ns, fin.ns, *em, first_token)))
         out.append({"rid": rid, "arm": arm, "ttft_ms": (first_token - sent) / 1e6,
                     "hops_ms": hops, "worker_cpu_ms": cpu})
     return out
@@ -161,13 +162,15 @@ def main() -> int:
         raise SystemExit("no complete pull in the trace")
     split = [p for p in ps if "notice" in p["hops_ms"]]
     local = [p for p in every if p["rid"] == "-"]
+    def medians(names: tuple[str, ...], items: list[dict]) -> str:
+        return ", ".join(f"{h} {statistics.median(p['hops_ms'][h] for p in items):.1f}" for h in names)
+
     if split:
-        print("the pulls' finish, by the puller engine's rows (median ms): " + ", ".join(
-            f"{h} {statistics.median(p['hops_ms'][h] for p in split):.1f}" for h in FINISH) + f" ({len(split)} pulls)")
+        print(f"the pulls' finish, by the puller engine's rows (median ms): {medians(FINISH, split)} "
+              f"({len(split)} pulls)")
     if local:
-        print("local hits, by the puller engine's rows (median ms): " + ", ".join(
-            f"{h} {statistics.median(p['hops_ms'][h] for p in local):.1f}" for h in LOCAL)
-            + f"; ttft {statistics.median(p['ttft_ms'] for p in local):.1f} ({len(local)} hits)")
+        print(f"local hits, by the puller engine's rows (median ms): {medians(LOCAL, local)}; "
+              f"ttft {statistics.median(p['ttft_ms'] for p in local):.1f} ({len(local)} hits)")
     print("pull      " + " ".join(f"{h:>8}" for h in HOPS) + "     ttft   (ms)")
     for p in ps:
         print(f"{p['rid'][4:12]:9} " + " ".join(f"{p['hops_ms'][h]:8.1f}" for h in HOPS) + f" {p['ttft_ms']:8.1f}")

@@ -275,8 +275,6 @@ class TwoHosts:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         for holder in self.holders:
-            if holder.poll() is None:
-                holder.terminate()
             try:
                 holder.wait(timeout=30)
             except subprocess.TimeoutExpired:
