@@ -16,7 +16,9 @@ arm gets a fresh random token-ID prompt, arms in an order that rotates per rep:
 * ``local``: the puller's own CPU tier holds the prefix (computed once, device prefix cache reset): the floor a pull
   cannot beat;
 * ``pull_idle``: the source computed the prompt and sits idle; the puller pulls it (``remote_kv_source``);
-* ``pull_busy``: the same while the source generates for another request (a streamed one, closed after the pull).
+* ``pull_busy``: the same while the source generates for another request (a streamed one, closed after the pull);
+* ``pull_miss``: the puller asks an idle source that does not hold the prompt (it never computed it): what a miss
+  costs over a plain recompute (ours: the one-trip load asks the source, fails, and vLLM recomputes).
 
 TTFT is the first streamed chunk of a ``max_tokens: 1`` request.  Each timed request is attributed by the puller's
 ``vllm:prompt_tokens_cached_by_source_total{source}`` read around it: recompute must show no cached token, local
@@ -89,13 +91,21 @@ class Arm(enum.Enum):
     LOCAL = "local"
     PULL_IDLE = "pull_idle"
     PULL_BUSY = "pull_busy"
+    PULL_MISS = "pull_miss"  # the source does not hold the prompt: the request recomputes
 
     @property
     def expected(self) -> Served:
-        return {Arm.RECOMPUTE: Served.RECOMPUTED, Arm.LOCAL: Served.HOST_HIT}.get(self, Served.P2P_PULL)
+        return {Arm.RECOMPUTE: Served.RECOMPUTED, Arm.LOCAL: Served.HOST_HIT,
+                Arm.PULL_MISS: Served.RECOMPUTED}.get(self, Served.P2P_PULL)
 
     @property
     def pulls(self) -> bool:
+        """Its request names the source (remote_kv_source)."""
+        return self in (Arm.PULL_IDLE, Arm.PULL_BUSY, Arm.PULL_MISS)
+
+    @property
+    def source_holds(self) -> bool:
+        """The source computed the prompt first."""
         return self in (Arm.PULL_IDLE, Arm.PULL_BUSY)
 
 
@@ -229,9 +239,11 @@ class Pair:
             self.complete(self.puller, prompt, 1)
             time.sleep(self.a.settle_s)  # its CPU tier stores a step later
             self.reset_device_cache()
-        elif arm.pulls:
+        elif arm.source_holds:
             self.complete(self.source, prompt, 1)
             time.sleep(self.a.settle_s)
+        elif arm.pulls:
+            time.sleep(self.a.settle_s)  # the miss too starts from an idle source
 
     def timed(self, arm: Arm, prompt: list[int]) -> tuple[float, CachedTokens, int | None]:
         """TTFT, the puller's cached-token deltas, and (two hosts) the bytes the source's host sent meanwhile."""
@@ -276,7 +288,7 @@ def wire_problem(arm: Arm, delta: CachedTokens, wired: int | None, per_token: in
     """Two hosts: a pull whose source host sent fewer bytes on its interface than the KV it served did not cross
     the wire (a same-host path or shared memory would leave the interface quiet).  None when it did, or when no
     wire is watched."""
-    if wired is None or not arm.pulls:
+    if wired is None or not arm.source_holds:
         return None
     need = int(delta.p2p) * per_token
     return None if wired >= need else f"{arm.value}: the source host sent {wired} B, less than {need} B of KV pulled"

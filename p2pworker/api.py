@@ -25,7 +25,7 @@ Scalar = Union[str, int, float, bool, None]
 # The check needs AttachRegion itself to decode on the other side: its RegionHandle forbids unknown fields, so a
 # field added there makes an older worker fail to decode it, which the worker reports as this same mismatch
 # (an undecodable command before any region is attached).
-RING_API = 2  # 2: ConsumerDone; ResetCache.loads
+RING_API = 3  # 2: ConsumerDone; ResetCache.loads.  3: LoadJob.ask
 
 
 def ring_api_mismatch(theirs: int, who: str) -> str | None:
@@ -74,6 +74,9 @@ class LoadJob(msgspec.Struct, tag="load"):
     request_id: str
     keys: list[bytes]
     rows: list[int]
+    # A symmetric pull in one round trip: nothing was looked up or parked at the peer first; its worker asks its
+    # engine for the keys when our Fetch arrives (protocol Fetch.ask), and the load brings what the peer holds.
+    ask: bool = False
 
 
 class LookupKeys(msgspec.Struct, tag="lookup"):

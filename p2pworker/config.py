@@ -176,6 +176,10 @@ class TierSettings(msgspec.Struct, forbid_unknown_fields=True):
     # peer workers ("host:port", as the requests' remote_host/remote_port name them) to connect at start and keep
     # connected: the first request to one of them finds its session (and data path) ready
     peers: list[PeerAddress] = []
+    # how a symmetric pull (remote_kv_source) runs (vllm_adapter/hints.py): "one_trip" answers its lookups HIT at
+    # once and lets the load ask the source (the two-step path still runs while a source lately lacked a request's
+    # first key); "ask_first" always asks the source before answering, as releases before protocol 8 did
+    pull_path: Literal["one_trip", "ask_first"] = "one_trip"
 
 
 TIER_SOURCE = "kv_connector_extra_config.secondary_tiers[P2PWorkerTier]"

@@ -17,6 +17,7 @@ import numpy as np
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from p2pworker import api
+from vllm_adapter.hints import SourceHints
 from vllm_adapter.metrics import Counts
 from vllm_adapter.outbox import Outbox
 
@@ -41,15 +42,19 @@ class OpenJob:
     keys: list[bytes]
     kv_request_id: str
     t0: float  # monotonic, at submit
+    address: str = ""  # a load: the peer it pulls from
+    ask: bool = False  # a load in one round trip: its keys were promised (HIT) before the peer was asked
 
 
 class JobBook:
-    def __init__(self, name: str, outbox: Outbox, counts: Counts, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, name: str, outbox: Outbox, counts: Counts, clock: Callable[[], float] = time.monotonic,
+                 hints: SourceHints | None = None):
         self.clock = clock  # monotonic seconds; tests pass their own
         self.open: dict[int, OpenJob] = {}  # submitted to the worker, not yet reported to vLLM
         self.results: list[JobResult] = []  # reported by the worker (or failed here), not yet handed to vLLM
         self.failed_req_ids: set[str] = set()  # requests whose load failed: their lookups MISS
         self._name, self._outbox, self._counts = name, outbox, counts
+        self._hints = hints if hints is not None else SourceHints(clock)  # what one-trip loads found missing
         self._stop_reset_at: float | None = None  # vLLM is draining for shutdown: the next ResetCache then
 
     @property
@@ -62,15 +67,17 @@ class JobBook:
         return out
 
     def submit(self, kind: JobKind, job: TransferJob, kv_request_id: str, refused: str, *, address: str = "",
-               send: bool = True, now: float | None = None) -> bool:
+               send: bool = True, now: float | None = None, ask: bool = False) -> bool:
         """Open ``job`` and queue its command; a job the worker cannot take (past the key limit, ``send`` False, no
-        serving worker) fails now with ``refused`` as its reason.  True: queued."""
+        serving worker) fails now with ``refused`` as its reason.  ``ask``: a load in one round trip (its peer is
+        asked for the keys when the fetch arrives).  True: queued."""
         keys = list(job.keys)  # OffloadKey is bytes
-        self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, self.clock() if now is None else now)
+        self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, self.clock() if now is None else now, address, ask)
         if len(keys) > api.MAX_JOB_KEYS:
             self.finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
             return False
-        if not send or not self._outbox.send(_command(kind, job.job_id, kv_request_id, address, keys, job.chunk_ids)):
+        cmd = _command(kind, job.job_id, kv_request_id, address, keys, job.chunk_ids, ask)
+        if not send or not self._outbox.send(cmd):
             self.finish(job.job_id, False, None, 0.0, None, refused)
             return False
         return True
@@ -97,9 +104,12 @@ class JobBook:
                 landed = [k for k in (keys or []) if k in asked]
             self.results.append(JobResult(job_id, success, successful_keys=landed, transfer_time=seconds,
                                           transfer_bytes=nbytes))
+            if job.ask:
+                self._one_trip_done(job, landed, success, reason)
             if not success:
                 self.failed_req_ids.add(rid)  # later lookups MISS: vLLM recomputes, no re-promotion loop
-                log.warning("load for %s failed (%s); recomputing", rid, reason or "worker gone")
+                if not job.ask:  # a one-trip load that falls short is the expected way to learn what a peer lacks
+                    log.warning("load for %s failed (%s); recomputing", rid, reason or "worker gone")
             if success:
                 self._counts.loads_ok += 1
             else:
@@ -110,6 +120,18 @@ class JobBook:
                 self._counts.stores_ok += 1
             else:
                 self._counts.stores_failed += 1
+
+    def _one_trip_done(self, job: OpenJob, landed: list[bytes], success: bool, reason: str) -> None:
+        """A one-trip load ended: count what its promise brought, and remember at its peer what did not come (the
+        next request that starts with such a key asks first: vllm_adapter/hints.py)."""
+        self._counts.pull_keys_landed += len(landed)
+        if success:
+            return
+        self._counts.pull_keys_missed += len(job.keys) - len(landed)
+        got = set(landed)
+        self._hints.lacked(job.address, [k for k in job.keys if k not in got])
+        log.info("pulled %d of %d keys of %s from %s; vLLM recomputes from the first key not loaded (%s)",
+                 len(landed), len(job.keys), job.kv_request_id, job.address, reason or "worker gone")
 
     def fail_all(self) -> None:
         """The worker is gone: every open job fails, once."""
@@ -142,9 +164,10 @@ class JobBook:
             self._outbox.flush()
 
 
-def _command(kind: JobKind, job_id: int, kv_request_id: str, address: str, keys: list[bytes], chunk_ids) -> api.Command:
+def _command(kind: JobKind, job_id: int, kv_request_id: str, address: str, keys: list[bytes], chunk_ids,
+             ask: bool) -> api.Command:
     if kind is JobKind.LOAD:
-        return api.LoadJob(job_id, address, kv_request_id, keys, _rows(chunk_ids))
+        return api.LoadJob(job_id, address, kv_request_id, keys, _rows(chunk_ids), ask)
     return api.StoreJob(job_id, kv_request_id, keys, _rows(chunk_ids))
 
 

@@ -1,9 +1,10 @@
 """Symmetric lookups, both sides.
 
-``AskedLookups`` (the asker, ``remote_kv_source``): a request's lookups are asked of the peer key by key, batched
-into one LookupKeys per request and peer at the step's end or the next poll, whichever comes first; each answers
-RETRY until the peer's answer arrives, then HIT or MISS.  Kept per kv_request_id, so a finished request is
-forgotten in time linear in its own keys.
+``AskedLookups`` (the asker, ``remote_kv_source``): a request's path is chosen at its first lookup
+(:class:`~vllm_adapter.hints.PullPath`).  ONE_TRIP: every lookup answers HIT at once and the load asks the source.
+ASK_FIRST: the lookups are asked of the peer key by key, batched into one LookupKeys per request and peer at the
+step's end or the next poll, whichever comes first; each answers RETRY until the peer's answer arrives, then HIT or
+MISS.  Kept per kv_request_id, so a finished request is forgotten in time linear in its own keys.
 
 ``PeerLookups`` (the source): peers' lookups are answered in ``serve_external_requests``: vLLM is asked
 (``parent.lookup``), the hits pinned (``parent.create_store_job``) and parked under the asker's ``kv_request_id``,
@@ -17,19 +18,22 @@ import logging
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from p2pworker import api
+from vllm_adapter.hints import PullPath, SourceHints
 from vllm_adapter.jobs import JobBook, JobKind
+from vllm_adapter.metrics import Counts
 from vllm_adapter.outbox import Outbox
 
 log = logging.getLogger("vllm_adapter.tier")
 
 
 class AskedLookups:
-    def __init__(self, outbox: Outbox):
-        self._outbox = outbox
+    def __init__(self, outbox: Outbox, hints: SourceHints, counts: Counts, *, one_trip: bool = True):
+        self._outbox, self._hints, self._counts, self._one_trip = outbox, hints, counts, one_trip
+        self._paths: dict[str, PullPath] = {}  # kv_request_id -> its path, chosen at its first lookup
         self._answers: dict[str, dict[bytes, bool]] = {}  # key -> the peer holds it
         self._asked: dict[str, set[bytes]] = {}  # keys asked, no answer yet (present while the request lives)
         self._asking: dict[tuple[str, str], list[bytes]] = {}  # (address, kv_request_id) -> keys to ask
-        self._lookups: dict[int, tuple[str, list[bytes]]] = {}  # lookup id -> (kv_request_id, keys)
+        self._lookups: dict[int, tuple[str, str, list[bytes]]] = {}  # lookup id -> (address, kv_request_id, keys)
         self._next_lookup = 1
 
     @property
@@ -42,9 +46,23 @@ class AskedLookups:
         """Keys vLLM asked about that are not on their way to the worker yet."""
         return bool(self._asking)
 
+    def path(self, rid: str) -> PullPath | None:
+        """The request's path (None: it looked nothing up yet)."""
+        return self._paths.get(rid)
+
     def lookup(self, address: str, rid: str, key) -> LookupResult:
-        """The peer's answer for ``key``; RETRY while it is asked (batched at the step's end or the next poll)."""
+        """ONE_TRIP: HIT (the load asks the peer).  ASK_FIRST: the peer's answer for ``key``; RETRY while it is
+        asked (batched at the step's end or the next poll)."""
         k = bytes(key)
+        path = self._paths.get(rid)
+        if path is None:
+            path = self._paths[rid] = self._hints.path(address, k) if self._one_trip else PullPath.ASK_FIRST
+            if path is PullPath.ONE_TRIP:
+                self._counts.pulls_one_trip += 1
+            else:
+                self._counts.pulls_ask_first += 1
+        if path is PullPath.ONE_TRIP:
+            return LookupResult.HIT
         answers = self._answers.get(rid)
         answer = answers.get(k) if answers is not None else None
         if answer is None:
@@ -59,6 +77,7 @@ class AskedLookups:
 
     def forget(self, rid: str) -> None:
         """The request finished."""
+        self._paths.pop(rid, None)
         self._answers.pop(rid, None)
         self._asked.pop(rid, None)
 
@@ -69,35 +88,38 @@ class AskedLookups:
                 keys = asking[i:i + api.MAX_JOB_KEYS]
                 lookup_id = self._next_lookup
                 self._next_lookup += 1
-                self._lookups[lookup_id] = (rid, keys)
+                self._lookups[lookup_id] = (address, rid, keys)
                 if not self._outbox.send(api.LookupKeys(lookup_id, address, rid, keys)):
                     del self._lookups[lookup_id]
-                    self._answer(rid, keys, None)
+                    self._answer(address, rid, keys, None)
 
     def on_result(self, ev: api.LookupResult) -> None:
-        rid, keys = self._lookups.pop(ev.lookup_id, ("", []))
-        self._answer(rid, keys, ev.present)
+        address, rid, keys = self._lookups.pop(ev.lookup_id, ("", "", []))
+        self._answer(address, rid, keys, ev.present)
 
     def miss_all(self) -> None:
         """The worker is gone: every lookup asked or still to ask answers MISS."""
-        for rid, keys in self._lookups.values():
-            self._answer(rid, keys, None)
+        for address, rid, keys in self._lookups.values():
+            self._answer(address, rid, keys, None)
         self._lookups.clear()
-        for (_, rid), keys in self._asking.items():  # asked, not sent yet: MISS as well (a tier that stops
-            self._answer(rid, keys, None)           # restarting would otherwise hold them, and vLLM step, forever)
+        for (address, rid), keys in self._asking.items():  # asked, not sent yet: MISS as well (a tier that stops
+            self._answer(address, rid, keys, None)        # restarting would otherwise hold them, and vLLM step forever)
         self._asking.clear()
 
     def refuse(self, cmd: api.Command) -> bool:
         """A LookupKeys the ring cannot carry: MISS now.  False: not an open lookup's command."""
         if isinstance(cmd, api.LookupKeys) and cmd.lookup_id in self._lookups:
-            rid, keys = self._lookups.pop(cmd.lookup_id)
-            self._answer(rid, keys, None)
+            address, rid, keys = self._lookups.pop(cmd.lookup_id)
+            self._answer(address, rid, keys, None)
             return True
         return False
 
-    def _answer(self, rid: str, keys: list[bytes], present: list[bool] | None) -> None:
+    def _answer(self, address: str, rid: str, keys: list[bytes], present: list[bool] | None) -> None:
         """Record a peer's answer (None: it could not answer, so MISS).  Late answers for a finished request
         are dropped (nothing would ever forget them)."""
+        if present is not None and len(present) == len(keys):  # what the peer said it holds, for later requests
+            self._hints.held(address, [k for k, p in zip(keys, present) if p])
+            self._hints.lacked(address, [k for k, p in zip(keys, present) if not p])
         asked = self._asked.get(rid)
         if asked is None:
             return

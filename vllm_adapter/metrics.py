@@ -17,6 +17,8 @@ M_STORES = "vllm:kv_offload_p2pworker_stores"
 M_DEATHS = "vllm:kv_offload_p2pworker_worker_deaths"
 M_RESTARTS = "vllm:kv_offload_p2pworker_worker_restarts"
 M_IN_FLIGHT = "vllm:kv_offload_p2pworker_jobs_in_flight"
+M_PULLS = "vllm:kv_offload_p2pworker_pulls"
+M_PULL_KEYS = "vllm:kv_offload_p2pworker_pull_keys"
 # Every series also carries `worker`: the worker's name (vllm-<engine id>), the value of the `engine` label on
 # that worker's own series, so the two join (vLLM's own `engine` label is the engine index, 0 on every instance).
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ TIER_METRICS: dict[str, Metric] = {
     M_RESTARTS: Metric(MetricKind.COUNTER, ("worker",),
                        "Attempts to start a new p2pworker after one died (each counts, failed or not)"),
     M_IN_FLIGHT: Metric(MetricKind.GAUGE, ("worker",), "Jobs submitted to the worker and not yet reported"),
+    M_PULLS: Metric(MetricKind.COUNTER, ("worker", "path"),
+                    "Symmetric (remote_kv_source) requests, by path: one_trip (the load asks the source) or "
+                    "ask_first (the lookups ask it first)"),
+    M_PULL_KEYS: Metric(MetricKind.COUNTER, ("worker", "outcome"),
+                        "Keys one-trip loads promised, by outcome: landed, or missed (the source did not bring "
+                        "them; vLLM recomputed from the first one)"),
 }
 
 Series = dict[tuple[str, tuple[str, ...]], int]
@@ -49,6 +57,10 @@ class Counts:
     stores_failed: int = 0
     worker_deaths: int = 0
     restarts: int = 0
+    pulls_one_trip: int = 0  # symmetric requests whose lookups answered HIT at once (the load asks the source)
+    pulls_ask_first: int = 0  # symmetric requests that asked the source before answering (vllm_adapter/hints.py)
+    pull_keys_landed: int = 0  # keys a one-trip load promised and brought
+    pull_keys_missed: int = 0  # keys a one-trip load promised and the source did not bring: vLLM recomputed them
 
 
 class TierMetrics:
@@ -95,6 +107,8 @@ class TierMetrics:
             (M_STORES, (w, "ok")): c.stores_ok, (M_STORES, (w, "failed")): c.stores_failed,
             (M_DEATHS, (w,)): c.worker_deaths, (M_RESTARTS, (w,)): c.restarts,
             (M_IN_FLIGHT, (w,)): jobs_in_flight,
+            (M_PULLS, (w, "one_trip")): c.pulls_one_trip, (M_PULLS, (w, "ask_first")): c.pulls_ask_first,
+            (M_PULL_KEYS, (w, "landed")): c.pull_keys_landed, (M_PULL_KEYS, (w, "missed")): c.pull_keys_missed,
         }
 
     def counters(self, jobs_in_flight: int) -> dict:
@@ -102,4 +116,6 @@ class TierMetrics:
         c = self.counts
         return {"loads_ok": c.loads_ok, "loads_failed": c.loads_failed, "stores_ok": c.stores_ok,
                 "stores_failed": c.stores_failed, "worker_deaths": c.worker_deaths,
-                "jobs_in_flight": jobs_in_flight, "restarts": c.restarts}
+                "jobs_in_flight": jobs_in_flight, "restarts": c.restarts, "pulls_one_trip": c.pulls_one_trip,
+                "pulls_ask_first": c.pulls_ask_first, "pull_keys_landed": c.pull_keys_landed,
+                "pull_keys_missed": c.pull_keys_missed}

@@ -8,10 +8,13 @@
   ``submit_load`` asks the producer's worker to write them into our rows.  After
   a failed load the request's lookups answer MISS, so vLLM recomputes.
 - ``remote_kv_source: {kv_request_id, remote_host, remote_port}``: symmetric
-  consumer.  Lookups are batched to the peer (RETRY until its answer arrives,
-  then HIT or MISS); the peer's tier pins its hits through vLLM's parent API in
-  ``serve_external_requests`` and parks them under our ``kv_request_id``;
-  ``submit_load`` then fetches them like a PD load (lookups.py).
+  consumer.  In one round trip (hints.py, lookups.py): lookups answer HIT at
+  once and ``submit_load`` asks the peer, whose tier pins its hits through
+  vLLM's parent API in ``serve_external_requests`` and parks them under our
+  ``kv_request_id`` for that load; what it lacks is recomputed.  Or in two
+  steps, when the peer lately lacked the request's first key: lookups are
+  batched to the peer (RETRY until its answer, then HIT or MISS), then the
+  load fetches what it parked.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from p2pworker.errors import P2PError
 from p2pworker.session.session import longest_hold_s
 from p2pworker.shm.maps import handle_for_range
 from vllm_adapter.engine_hook import EngineCore, IdleWaker, find_engine_core
+from vllm_adapter.hints import PullPath, SourceHints
 from vllm_adapter.finished import RECENT_FINISHED_MAX, RECENT_FINISHED_S, REPLAY_IN_RING_MAX, FinishedReplay
 from vllm_adapter.instruments import TierInstruments
 from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind, OpenJob
@@ -137,8 +138,9 @@ class P2PWorkerTier(SecondaryTierManager):
                         jobs_open=lambda: len(self.jobs.open)),
             self.metrics.counts, rings=bool(s.rings), start_s=s.start_timeout_s, stall_s=s.worker_stall_s)
         self.outbox = Outbox(self.supervisor, self._refuse)
-        self.jobs = JobBook(self.worker_name, self.outbox, self.metrics.counts)
-        self.lookups = AskedLookups(self.outbox)
+        self.hints = SourceHints()  # which keys a source lately lacked: the pull path a request takes
+        self.jobs = JobBook(self.worker_name, self.outbox, self.metrics.counts, hints=self.hints)
+        self.lookups = AskedLookups(self.outbox, self.hints, self.metrics.counts, one_trip=s.pull_path == "one_trip")
         self.peer_lookups = PeerLookups(self.jobs, self.outbox)
         self.finished = FinishedReplay(self.worker_name, self.supervisor, self.outbox)
         self._opened_ahead: dict[str, float] = {}  # peer address -> when a request last asked to open its session
@@ -301,8 +303,10 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def submit_load(self, job: TransferJob) -> None:
         role = role_of(job.req_context)
+        # A one-trip request's keys were promised without asking: the load asks the peer (LoadJob.ask)
+        ask = role.kind.asks and self.lookups.path(role.kv_request_id) is PullPath.ONE_TRIP
         self.jobs.submit(JobKind.LOAD, job, role.kv_request_id, "not a PD consumer, or worker not ready",
-                         address=role.address, send=role.kind.loads)
+                         address=role.address, send=role.kind.loads, ask=ask)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if threading.get_ident() != self._scheduler_thread:

@@ -27,6 +27,12 @@ Rows of the two workers (``worker_*source*.txt``, ``worker_*puller*.txt``, from 
   client reads the token: the API server's output path and HTTP).  A local hit splits the same way from ``to_match``
   (request sent -> the CPU tier's hit) on.
 
+A pull in one round trip (no LookupKeys: its lookups answered at once, the load asked the source) chains
+``ONE_TRIP``: ``intake`` (request sent -> the puller's LoadJob taken: HTTP, tokenizing, the first scheduler pass
+that promised and submitted), ``ask`` (-> the source worker decodes the asking Fetch), ``serve`` (-> the source
+engine's AnswerLookup taken: it pinned and parked its hits; an idle 0.32 engine is woken for it), ``read`` (-> the
+JobFinished put: the final offer and the reads settled), then ``finish`` as above.
+
 Then the median of each hop and, per hop, how much of its wall time the worker threads spent on a CPU (the trace
 rows carry each thread's CPU time): a hop of tens of ms with well under 1 ms of CPU was waiting for a core.
 """
@@ -41,6 +47,7 @@ import sys
 from dataclasses import dataclass
 
 HOPS = ("intake", "ask", "serve", "answer", "submit", "fetch", "finish")
+ONE_TRIP = ("intake", "ask", "serve", "read", "finish")  # a pull whose load asked the source (no LookupKeys)
 # ``finish`` split by the puller engine's own rows (engine_site/sitecustomize.py), when the trace has them
 FINISH = ("notice", "rematch", "load", "prefill", "respond")
 # a local hit's time to first token split the same way: from the request sent to the CPU tier's hit, then as above
@@ -113,6 +120,33 @@ def cpu_between(rows: list[Row], side: str, t0: int, t1: int) -> float:
     return (inside[-1] - inside[0]) / 1e6 if len(inside) > 1 else 0.0
 
 
+Chain = tuple[tuple[str, ...], str, tuple[int, ...], Row, Row]  # hop names, the side of each inner hop, marks, ...
+
+
+def two_steps(rows: list[Row], times: list[int], rid: str, sent: int) -> Chain | None:
+    """The two-step pull's rows: LookupKeys, Lookup, AnswerLookup, LookupResp, LoadJob, the load's JobFinished."""
+    keys = first(rows, times, "P", "cmd", "LookupKeys", rid, sent)
+    lookup = keys and first(rows, times, "S", "dec", "Lookup", rid, keys.ns)
+    answer = lookup and first(rows, times, "S", "cmd", "AnswerLookup", None, lookup.ns)
+    resp = answer and first(rows, times, "P", "dec", "LookupResp", None, answer.ns)
+    load_job = resp and first(rows, times, "P", "cmd", "LoadJob", rid, resp.ns)
+    loaded = load_job and first(rows, times, "P", "evt_put", "load", None, load_job.ns)
+    if not loaded:
+        return None
+    return HOPS, "SSPPP", (sent, keys.ns, lookup.ns, answer.ns, resp.ns, load_job.ns, loaded.ns), load_job, loaded
+
+
+def one_trip(rows: list[Row], times: list[int], rid: str, sent: int) -> Chain | None:
+    """The one-trip pull's rows: LoadJob, the asking Fetch at the source, its engine's AnswerLookup, the JobFinished."""
+    load_job = first(rows, times, "P", "cmd", "LoadJob", rid, sent)
+    fetch = load_job and first(rows, times, "S", "dec", "Fetch", rid, load_job.ns)
+    answer = fetch and first(rows, times, "S", "cmd", "AnswerLookup", None, fetch.ns)
+    loaded = answer and first(rows, times, "P", "evt_put", "load", None, answer.ns)
+    if not loaded:
+        return None
+    return ONE_TRIP, "SSP", (sent, load_job.ns, fetch.ns, answer.ns, loaded.ns), load_job, loaded
+
+
 def pulls(trace_dir: str) -> list[dict]:
     rows = load(trace_dir)
     times = [r.ns for r in rows]
@@ -130,19 +164,14 @@ def pulls(trace_dir: str) -> list[dict]:
                 out.append({"rid": "-", "arm": "local", "ttft_ms": (first_token - sent) / 1e6,
                             "hops_ms": spans(LOCAL, (sent, *em, first_token))})
             continue
-        keys = first(rows, times, "P", "cmd", "LookupKeys", rid, sent)
-        lookup = keys and first(rows, times, "S", "dec", "Lookup", rid, keys.ns)
-        answer = lookup and first(rows, times, "S", "cmd", "AnswerLookup", None, lookup.ns)
-        resp = answer and first(rows, times, "P", "dec", "LookupResp", None, answer.ns)
-        load_job = resp and first(rows, times, "P", "cmd", "LoadJob", rid, resp.ns)
-        loaded = load_job and first(rows, times, "P", "evt_put", "load", None, load_job.ns)
-        if not loaded:
+        chain = two_steps(rows, times, rid, sent) or one_trip(rows, times, rid, sent)
+        if chain is None:
             print(f"{rid}: incomplete trace, skipped", file=sys.stderr)
             continue
-        marks = (sent, keys.ns, lookup.ns, answer.ns, resp.ns, load_job.ns, loaded.ns, first_token)
-        hops = spans(HOPS, marks)
-        cpu = {h: cpu_between(rows, side, a, b) for h, side, a, b in
-               zip(HOPS[1:-1], "SSPPP", marks[1:], marks[2:])}
+        names, sides, marks, load_job, loaded = chain
+        marks = (*marks, first_token)
+        hops = spans(names, marks)
+        cpu = {h: cpu_between(rows, side, a, b) for h, side, a, b in zip(names[1:-1], sides, marks[1:], marks[2:])}
         # the engine's collection of this load job (the LoadJob row names its job id, the fin row the ids it took)
         job = load_job.info[1]
         fin = next((r for r in rows[bisect.bisect_left(times, loaded.ns):bisect.bisect_right(times, first_token)]
@@ -153,6 +182,15 @@ def pulls(trace_dir: str) -> list[dict]:
         out.append({"rid": rid, "arm": arm, "ttft_ms": (first_token - sent) / 1e6,
                     "hops_ms": hops, "worker_cpu_ms": cpu})
     return out
+
+
+def print_chain(names: tuple[str, ...], ps: list[dict]) -> None:
+    print(("two steps" if names == HOPS else "one trip") + f": {len(ps)} pulls")
+    print("pull      " + " ".join(f"{h:>8}" for h in names) + "     ttft   (ms)")
+    for p in ps:
+        print(f"{p['rid'][4:12]:9} " + " ".join(f"{p['hops_ms'][h]:8.1f}" for h in names) + f" {p['ttft_ms']:8.1f}")
+    print("median    " + " ".join(f"{statistics.median(p['hops_ms'][h] for p in ps):8.1f}" for h in names)
+          + f" {statistics.median(p['ttft_ms'] for p in ps):8.1f}")
 
 
 def main() -> int:
@@ -171,12 +209,11 @@ def main() -> int:
     if local:
         print(f"local hits, by the puller engine's rows (median ms): {medians(LOCAL, local)}; "
               f"ttft {statistics.median(p['ttft_ms'] for p in local):.1f} ({len(local)} hits)")
-    print("pull      " + " ".join(f"{h:>8}" for h in HOPS) + "     ttft   (ms)")
-    for p in ps:
-        print(f"{p['rid'][4:12]:9} " + " ".join(f"{p['hops_ms'][h]:8.1f}" for h in HOPS) + f" {p['ttft_ms']:8.1f}")
-    print("median    " + " ".join(f"{statistics.median(p['hops_ms'][h] for p in ps):8.1f}" for h in HOPS)
-          + f" {statistics.median(p['ttft_ms'] for p in ps):8.1f}")
-    slow = [(p, h) for p in ps for h in HOPS[1:-1] if p["hops_ms"][h] > 20]
+    for names in (HOPS, ONE_TRIP):
+        chain = [p for p in ps if tuple(h for h in p["hops_ms"] if h not in FINISH) == names]
+        if chain:
+            print_chain(names, chain)
+    slow = [(p, h) for p in ps for h in p["worker_cpu_ms"] if p["hops_ms"][h] > 20]
     for p, h in slow:
         print(f"  {p['rid'][4:12]} {h}: {p['hops_ms'][h]:.1f} ms wall, {p['worker_cpu_ms'][h]:.2f} ms of worker CPU")
     return 0

@@ -24,8 +24,9 @@ from p2pworker.limits import MAX_FRAME_BYTES, MAX_JOB_KEYS, MAX_KEY_BYTES, MAX_M
 # 4: PeerDataInfo.same_host (a same-host peer copies from our region file).  5: it gets the file descriptors
 # over a local socket (SameHostInfo.socket/token) instead of trusting an advertised pid.  6: a same-host session's
 # messages may move to a local lane (Hello.lane, LaneUp; p2pworker.control.lane).  7: Done (the consumer needs nothing
-# more of a request: the producer releases what it parked and nobody fetched).
-PROTOCOL_VERSION = 7
+# more of a request: the producer releases what it parked and nobody fetched).  8: Fetch.ask (a pull in one round trip:
+# the producer asks its engine which keys it holds, pins and parks them for this round, then offers them).
+PROTOCOL_VERSION = 8
 # Invariant 8: a frame carries at most MAX_KEYS keys (so it stays far below MAX_FRAME_BYTES), and a round or a
 # lookup of more keys goes as several frames: Fetch/Lookup parts (``part`` 0, 1, ...; ``more`` on all but the
 # last), Offers in pieces (``final`` on the last), Release/LookupResp parts (``more``).  The receiver puts the
@@ -80,6 +81,11 @@ class Fetch(msgspec.Struct, tag="fetch", forbid_unknown_fields=True):
     lease_ms: Annotated[int, Meta(ge=1, le=MAX_LEASE_MS)]
     part: Part = 0  # parts of one round follow each other in order on the link
     more: bool = False  # more keys of this round follow in part + 1
+    # Nothing was parked for this request in advance (symmetric sharing): once every part is in, the producer asks
+    # its engine which of the keys it holds (ServeLookup), parks and offers those, and ends the round's offers when
+    # its engine answered.  Keys it does not hold are never offered; the consumer's load fails them and vLLM
+    # recomputes from the first key not loaded.
+    ask: bool = False
 
 
 class Offer(msgspec.Struct, tag="offer", forbid_unknown_fields=True):

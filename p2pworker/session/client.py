@@ -131,8 +131,9 @@ class ClientRole(SessionCore):
             return f"{len(self._queue)} messages already wait for the handshake with {self.peer_id or 'the peer'}"
         return ""
 
-    def load(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int]):
-        """Pull ``keys`` of ``request_id`` from the peer into our granted ``rows``."""
+    def load(self, job_id: int, request_id: str, keys: list[bytes], rows: list[int], *, ask: bool = False):
+        """Pull ``keys`` of ``request_id`` from the peer into our granted ``rows``.  ``ask``: nothing was parked for
+        us in advance; the peer asks its engine for the keys when the Fetch is in (protocol ``Fetch.ask``)."""
         ctx = self.ctx
         now = ctx.clock()
         ctx.reporter.open(job_id, JobKind.LOAD, now)
@@ -147,7 +148,7 @@ class ClientRole(SessionCore):
         # The deadline is taken BEFORE the Fetch is sent (or queued): the producer's hold starts later.
         load = self._loads[rnd] = _Load(job_id, request_id, rnd, granted, now + lease_s,
                                         handshake_by=now + ctx.config.handshake_timeout_s)
-        load.fetches = [m.Fetch(request_id, rnd, part_keys, lease_ms, part, more)
+        load.fetches = [m.Fetch(request_id, rnd, part_keys, lease_ms, part, more, ask)
                         for part, part_keys, more in parts(list(keys))]
         for fetch in load.fetches:
             self._send(fetch)

@@ -62,6 +62,15 @@ class LeasePhase(enum.Enum):
     ENDED = "ended"  # unbound from its parcel: its rows are the store jobs' to end
 
 
+class Ask(enum.Enum):
+    """A round whose Fetch asked (``Fetch.ask``): nothing was parked for it in advance, so its offers end when our
+    engine answered which keys it holds, not when the request was told finished (an earlier round's end may have)."""
+
+    NONE = "none"  # a plain Fetch: the offers end with the request's end, or when every key was offered
+    ASKED = "asked"  # our engine was asked (ServeLookup); its hits arrive as store jobs and are offered
+    ANSWERED = "answered"  # it answered: every hit it had is parked, so the offers end now
+
+
 class LeaseEvent(enum.Enum):
     FINAL_OFFER = "final_offer"
     OWNER_GONE = "owner_gone"  # the serving session closed with rows offered: they stay pinned (invariant 7)
@@ -91,6 +100,7 @@ class Lease:
     more: bool = False  # more Fetch parts of this round are to come (no final Offer before the last)
     parts: int = 1  # Fetch parts received
     read: list[bytes] = field(default_factory=list)  # keys named by the Release parts received so far
+    ask: Ask = Ask.NONE
 
 
 @dataclass(eq=False)

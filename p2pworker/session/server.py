@@ -1,7 +1,13 @@
 """A session's server role (the producer): the peer's Fetch leases parked rows and is answered with Offers as
 stores arrive; its Release (or the lease's end, in the parking lot) unpins them; its lookups are served through the
 host (ServeLookup, then :meth:`ServerRole.answer_lookup`).  The lease phases are the parking lot's table
-(:data:`~p2pworker.session.parking.LEASE_MOVES`)."""
+(:data:`~p2pworker.session.parking.LEASE_MOVES`).
+
+A Fetch that asks (``Fetch.ask``, a symmetric pull in one round trip) is served through the host too: once its last
+part is in, the keys not parked yet go to our engine as a ServeLookup under the round's own id (``ask_id``: negative,
+so it never meets a peer's lookup id); the engine pins its hits and parks them under the request id (store jobs,
+offered as they arrive, as for any Fetch) and then answers, which ends the round's offers: a key it did not hold is
+never offered, and the consumer's load fails it."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from p2pworker.limits import MAX_JOB_KEYS
 from p2pworker.protocol import messages as m
 from p2pworker.session.core import LEASE_DRIFT, LEASE_MARGIN_S, Action, SessionCore, State, parts
 from p2pworker.session.moves import move
-from p2pworker.session.parking import LEASE_MOVES, Lease, LeaseEvent, LeasePhase, Parcel
+from p2pworker.session.parking import LEASE_MOVES, Ask, Lease, LeaseEvent, LeasePhase, Parcel
 from p2pworker.session.reporter import ServeLookup
 
 log = logging.getLogger(__name__)
@@ -28,6 +34,15 @@ class _Inbound:
     keys: list[bytes] = field(default_factory=list)
     n: int = 0
     parts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AskedRound:
+    """An asking round whose engine was asked (ServeLookup) and has not answered yet."""
+
+    parcel: Parcel
+    lease: Lease
+    keys: tuple[bytes, ...]  # what the engine was asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +64,7 @@ class ServerRole(SessionCore):
         self._serving: dict[int, int] = {}  # inbound lookup id -> keys asked (waiting for answer_lookup)
         self._parcels: set[Parcel] = set()  # parcels whose lease this session serves
         self._fetch_open: Lease | None = None  # the lease whose Fetch parts are still arriving
+        self._asks: dict[int, AskedRound] = {}  # ask_id -> the asking round, waiting for answer_lookup
 
     # ------------------------------------------------------------ lookups
     def _on_lookup(self, msg: m.Lookup) -> None:
@@ -85,7 +101,16 @@ class ServerRole(SessionCore):
             self._emit(m.LookupResp(lookup_id, part, more))
 
     def answer_lookup(self, lookup_id: int, present: list[bool]) -> Answered:
-        """Answer a peer's lookup; not ``served`` (and nothing to do) when this session is not serving ``lookup_id``."""
+        """Answer a peer's lookup; not ``served`` (and nothing to do) when this session is not serving ``lookup_id``.
+        For an asking round (``ask_id``) the answer ends its offers: the engine's hits are parked by now (the
+        adapter sends their store jobs before the answer, on the same ring)."""
+        asked = self._asks.pop(lookup_id, None)
+        if asked is not None:
+            p, lease = asked.parcel, asked.lease
+            if p.lease is lease and lease.owner is self and lease.ask is Ask.ASKED:
+                lease.ask = Ask.ANSWERED
+                self._offer(p)
+            return Answered(True, self._take())
         n = self._serving.pop(lookup_id, None)
         if n is None or self.state is not State.ACTIVE:
             return Answered(False, [])
@@ -121,12 +146,20 @@ class ServerRole(SessionCore):
                                f"request is leased to another fetch (round {p.lease.round}) until it is released"))
             return
         # offer_until: later offers would arrive too close to the consumer's deadline to be read in time.
-        lease = Lease(msg.round, self, dict.fromkeys(msg.keys), now + min(ctx.config.fetch_timeout_s, 0.9 * lease_s),
-                      now + lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S, more=msg.more, parts=1)
+        # offer_until: later offers would arrive too close to the consumer's deadline to be read in time; a round
+        # that asks our engine waits for its answer no longer than a lookup would.
+        offer_s = min(ctx.config.fetch_timeout_s, 0.9 * lease_s)
+        if msg.ask:
+            offer_s = min(offer_s, ctx.config.lookup_timeout_s)
+        lease = Lease(msg.round, self, dict.fromkeys(msg.keys), now + offer_s,
+                      now + lease_s * (1 + LEASE_DRIFT) + LEASE_MARGIN_S, more=msg.more, parts=1,
+                      ask=Ask.ASKED if msg.ask else Ask.NONE)
         lot.bind(p, lease)
         self._parcels.add(p)
         self._fetch_open = lease if msg.more else None
         self._offer(p)
+        if not msg.more:
+            self._ask(p, lease)
 
     def _on_fetch_part(self, msg: m.Fetch) -> None:
         """A later part of a round's Fetch: its keys join the lease (the hold still counts from part 0)."""
@@ -149,6 +182,22 @@ class ServerRole(SessionCore):
         lease.parts += 1
         lease.more = msg.more
         self._offer(p, msg.keys)
+        if not msg.more:
+            self._ask(p, lease)
+
+    def _ask(self, p: Parcel, lease: Lease) -> None:
+        """An asking round's Fetch is complete: ask our engine for the keys not parked yet (what was, is offered)."""
+        if lease.ask is not Ask.ASKED or lease.phase is not LeasePhase.OFFERING:
+            return
+        if not lease.pending or len(self._serving) + len(self._asks) >= self.ctx.config.max_inbound_lookups:
+            # all offered already, or too many lookups in flight: the engine is not asked, the offers end now
+            lease.ask = Ask.ANSWERED
+            self._offer(p)
+            return
+        ask_id = -(lease.round + 1)  # rounds are >= 0 and unique per consumer worker; peers' lookup ids are >= 0
+        keys = tuple(lease.pending)
+        self._asks[ask_id] = AskedRound(p, lease, keys)
+        self.ctx.reporter.emit(ServeLookup(self.peer_id, ask_id, p.request_id, keys))
 
     def pump(self, p: Parcel, new_keys: list[bytes] | None = None) -> list[Action]:
         """New stores (``new_keys``: only those are looked at, so a request fed one key at a time costs
@@ -173,8 +222,10 @@ class ServerRole(SessionCore):
                 for k in keys:
                     del pending[k]
             lease.offered.update(zip(keys, rows))
-        # While Fetch parts are still coming, "nothing pending" or "request finished" says nothing about their keys.
-        final = (not lease.more and (not lease.pending or p.finished)) or now >= lease.offer_until
+        # While Fetch parts are still coming, "nothing pending" or "request finished" says nothing about their keys;
+        # nor does an earlier end of the request while our engine is still asked for this round's.
+        ended = lease.ask is Ask.ANSWERED or (lease.ask is Ask.NONE and p.finished)
+        final = (not lease.more and (not lease.pending or ended)) or now >= lease.offer_until
         if not keys and not final:
             return
         reason = self._end_offers(p, lease) if final else ""
@@ -187,7 +238,8 @@ class ServerRole(SessionCore):
         """The final Offer goes out now: the lease holds what it offered.  Returns why keys were not offered."""
         reason = ""
         if lease.pending:
-            reason = ("request finished before every key was stored" if p.finished
+            reason = ("the producer's engine does not hold them" if lease.ask is Ask.ANSWERED
+                      else "request finished before every key was stored" if p.finished and lease.ask is Ask.NONE
                       else "fetch timed out on the producer")
             log.info("fetch %r round %d from %s: %d of %d keys offered: %s", p.request_id, lease.round,
                      self.peer_id, len(lease.offered), len(lease.offered) + len(lease.pending), reason)
@@ -220,6 +272,7 @@ class ServerRole(SessionCore):
         """The session closed: forget the peer's lookups; hand leased parcels to their lease's end."""
         self._inbound.clear()
         self._serving.clear()
+        self._asks.clear()  # a late answer finds nothing (answer_lookup); the engine's stores end with the parcel
         for p in list(self._parcels):
             if p.lease is not None and p.lease.owner is self:
                 self.ctx.lot.abandon(p, f"consumer {self.peer_id} lost: {reason}")
@@ -233,6 +286,9 @@ class ServerRole(SessionCore):
                 self._parcels.discard(p)  # released by the lot (lease ran out)
             elif p.lease.phase is LeasePhase.OFFERING and now >= p.lease.offer_until:
                 self._offer(p)
+        for ask_id, asked in list(self._asks.items()):  # at most max_inbound_lookups
+            if asked.parcel.lease is not asked.lease or asked.lease.phase is not LeasePhase.OFFERING:
+                del self._asks[ask_id]  # the round ended first (offer_until, its lease): a late answer finds nothing
 
     @property
     def leases(self) -> int:
@@ -241,3 +297,7 @@ class ServerRole(SessionCore):
     def serving(self) -> dict[int, int]:
         """The peer's lookups waiting for ``answer_lookup``: lookup id -> how many keys it asked (a copy)."""
         return dict(self._serving)
+
+    def asking(self) -> dict[int, ServeLookup]:
+        """The asking rounds waiting for ``answer_lookup``: ask id -> what our engine was asked (a copy)."""
+        return {i: ServeLookup(self.peer_id, i, a.parcel.request_id, a.keys) for i, a in self._asks.items()}

@@ -111,7 +111,7 @@ class Commands:
             if why is not PARKED:
                 self.fail_now(cmd.job_id, JobKind.LOAD, why)
             return
-        self.w.host.run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows))
+        self.w.host.run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows, ask=cmd.ask))
 
     def _lookup(self, cmd: api.LookupKeys) -> None:
         s, why = (None, "worker not ready") if self.w.ctx is None or self.w.stopping else \

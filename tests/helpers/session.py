@@ -183,8 +183,8 @@ class Side:
     def receive(self, frame: bytes) -> None:
         self.run(self.session, self.session.receive(frame))
 
-    def load(self, job: int, request: str, keys, rows) -> None:
-        self.run(self.session, self.session.load(job, request, keys, rows))
+    def load(self, job: int, request: str, keys, rows, *, ask: bool = False) -> None:
+        self.run(self.session, self.session.load(job, request, keys, rows, ask=ask))
 
     def lookup(self, lookup_id: int, keys, request: str) -> None:
         self.run(self.session, self.session.lookup(lookup_id, keys, request))

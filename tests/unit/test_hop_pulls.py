@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.hops.pulls import FINISH, HOPS, LOCAL, pulls
+from benchmarks.hops.pulls import FINISH, HOPS, LOCAL, ONE_TRIP, pulls
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -61,3 +61,14 @@ def test_a_log_without_arm_and_tier_columns_reads_as_pulls_of_ours(tmp_path):
     (tmp_path / "ttft.txt").write_text(f"{10 * MS} {70 * MS} {RID}\n")  # the log's first format
     (pull,) = pulls(str(tmp_path))
     assert pull["rid"] == RID and pull["arm"] == "pull" and pull["ttft_ms"] == 60
+
+
+def test_a_one_trip_pull_chains_from_its_load_to_the_sources_answer_and_adds_up_to_its_ttft(tmp_path):
+    source = [(14, "dec Fetch " + RID), (17, "cmd AnswerLookup -8")]
+    puller = [(12, "cmd LoadJob 3 " + RID), (21, "evt_put load 3")]
+    for name, rs in {"worker_p2pw-source.txt": source, "worker_p2pw-puller.txt": puller}.items():
+        (tmp_path / name).write_text("".join(f"{t * MS} {r} cpu={i}\n" for i, (t, r) in enumerate(rs)))
+    (tmp_path / "ttft.txt").write_text(f"{10 * MS} {40 * MS} {RID} pull_idle ours\n")
+    (pull,) = pulls(str(tmp_path))
+    h = pull["hops_ms"]
+    assert [h[k] for k in ONE_TRIP] == [2, 2, 3, 4, 19] and sum(h.values()) == pull["ttft_ms"] == 30

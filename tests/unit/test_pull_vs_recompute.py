@@ -31,6 +31,8 @@ HIT = 512
     (Arm.PULL_BUSY, CachedTokens(p2p=HIT - 128), False),  # part of the prefix only
     (Arm.PULL_BUSY, CachedTokens(host=HIT), False),  # the puller held it already
     (Arm.PULL_BUSY, CachedTokens(p2p=HIT), True),
+    (Arm.PULL_MISS, CachedTokens(), True),  # the source held nothing: recomputed
+    (Arm.PULL_MISS, CachedTokens(p2p=HIT), False),  # it held the prompt after all: not a miss
 ])
 def test_arm_problem(arm, delta, ok):
     problem = arm_problem(arm, delta, HIT)
@@ -40,7 +42,8 @@ def test_arm_problem(arm, delta, ok):
 
 
 def test_each_arm_expects_its_own_source():
-    assert [a.expected for a in Arm] == [Served.RECOMPUTED, Served.HOST_HIT, Served.P2P_PULL, Served.P2P_PULL]
+    assert [a.expected for a in Arm] == [Served.RECOMPUTED, Served.HOST_HIT, Served.P2P_PULL, Served.P2P_PULL,
+                                         Served.RECOMPUTED]  # a miss recomputes
 
 
 def test_answer_problem():

@@ -43,8 +43,9 @@ CANARY = b"<canary>"
 
 store_op = st.tuples(st.just("store"), st.sampled_from(REQS),
                      st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
+# a load that asks (Fetch.ask: a symmetric pull in one round trip) or not
 load_op = st.tuples(st.just("load"), st.sampled_from(REQS),
-                    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
+                    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True), st.booleans())
 deliver_all = st.tuples(st.just("deliver"), st.none())
 copy_op = st.tuples(st.just("copy"), st.integers(0, 1000), st.integers(1, 3))
 settle_op = st.tuples(st.just("settle"), st.integers(0, 1000), st.booleans() | st.just(True) | st.just(True))
@@ -65,8 +66,10 @@ timers = [
     st.tuples(st.just("tick"), st.sampled_from(["a", "b", "both"])),
 ]
 # one_of picks its branches about evenly: the core PD flow is listed several times over
+# (the engine's answer to an asking round is listed twice more: without it an asking round only times out)
+answer_op = st.tuples(st.just("answer"))
 op = st.one_of(*([store_op] * 4 + [load_op] * 4 + [deliver_all] * 5 + [copy_op] * 4 + [settle_op] * 4
-                 + timers * 3 + rare))
+                 + [answer_op] * 2 + timers * 3 + rare))
 
 
 class Violation(AssertionError):
@@ -131,7 +134,7 @@ class Model:
             self.loads[j] = dict(zip(o[2], rows))
             for r in rows:
                 self.row_owner[r] = j
-            self.p.a.load(j, o[1], o[2], rows)
+            self.p.a.load(j, o[1], o[2], rows, ask=len(o) > 3 and o[3])
 
     def _lookup(self, o) -> None:
         self.p.a.lookup(self.next_lookup, o[1], "r0")
@@ -162,6 +165,21 @@ class Model:
         for side in (self.p.a, self.p.b):
             for lookup_id, n in list(side.session.serving().items()):
                 side.answer(lookup_id, [True] * n)
+        for ask in self.p.b.session.asking().values():
+            self.serve_ask(ask, self.rng.randint(0, len(ask.keys)))
+
+    def serve_ask(self, ask, held: int) -> None:
+        """The producer's engine answers an asking round as the adapter does: it pins ``held`` of the keys (a store
+        job on fresh rows, parked under the request id), says the request finished, then answers."""
+        keys = list(ask.keys)[:held]
+        rows = self.take(self.free_b, len(keys)) if keys else None
+        if rows is not None:
+            j = self.job()
+            self.stores[j] = rows
+            self.p.b.store(j, ask.request_id, keys, rows)
+            self.p.b.finish(ask.request_id)
+        got = set(keys) if rows is not None else set()
+        self.p.b.answer(ask.lookup_id, [k in got for k in ask.keys])
 
     _OPS = {
         "store": _store, "load": _load, "lookup": _lookup, "copy": _copy, "settle": _settle,
@@ -265,6 +283,8 @@ class Model:
             for side in (p.a, p.b):
                 for lookup_id, n in list(side.session.serving().items()):
                     side.answer(lookup_id, [False] * n)
+            for ask in p.b.session.asking().values():
+                self.serve_ask(ask, 0)
             self.check()
         assert p.a.reporter.open_jobs == 0 and p.b.reporter.open_jobs == 0
         assert all(s.counters.unsettled_reads for s, _ in p.a.aborts), "an abort without a reason"
@@ -329,6 +349,15 @@ SCHEDULES = {
     "stalled_copy_after_the_deadline": [("store", "r0", [b"k0", b"k1"]), ("load", "r0", [b"k0", b"k1"]),
                                         ("deliver", None), ("advance", 31.0), ("tick", "both"), ("copy", 0, 3),
                                         ("settle", 0, True), ("deliver", None)],
+    # one round trip: the producer's engine answers only after the consumer's deadline; the rows it pins then must
+    # never be read into rows the consumer already gave back, and its store job still ends
+    "ask_answered_after_the_consumer_deadline": [("load", "r0", [b"k0", b"k1"], True), ("deliver", None),
+                                                 ("advance", 31.0), ("tick", "both"), ("answer",), ("deliver", None),
+                                                 ("copy", 0, 3), ("settle", 0, True), ("deliver", None)],
+    # the engine's answer and an earlier end of the same request, a link loss between the ask and the read
+    "ask_then_link_lost_mid_read": [("finish", "r0"), ("load", "r0", [b"k0", b"k1", b"k2"], True),
+                                    ("deliver", None), ("answer",), ("deliver", None), ("copy", 0, 1),
+                                    ("reconnect", "b"), ("advance", 5.0), ("tick", "b"), ("settle", 0, True)],
 }
 
 

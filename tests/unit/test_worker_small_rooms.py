@@ -672,8 +672,8 @@ class _Session:
         self.calls.append(call)
         return [f"{call[0]}@{self.link}"]
 
-    def load(self, job_id, request_id, keys, rows):
-        return self._did("load", job_id, request_id, keys, rows)
+    def load(self, job_id, request_id, keys, rows, *, ask=False):
+        return self._did("load", job_id, request_id, keys, rows, *(("ask",) if ask else ()))
 
     def lookup(self, lookup_id, keys, request_id):
         return self._did("lookup", lookup_id, keys, request_id)
@@ -791,6 +791,8 @@ def test_a_load_is_routed_to_the_session_the_host_finds_for_its_address():
     Commands(w).handle(LOAD)
     assert s.calls == [("load", 3, "req", [b"k0", b"k1"], [4, 5])]
     assert w.host.ran == [("out-1", ["load@out-1"])] and _reported(w) == []
+    Commands(w).handle(api.LoadJob(4, "h:1", "req", [b"k0"], [6], ask=True))  # one trip: the Fetch asks
+    assert s.calls[-1] == ("load", 4, "req", [b"k0"], [6], "ask")
 
 
 def test_a_store_is_parked_and_only_news_for_a_lease_reaches_the_host():

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from p2pworker import api
 from p2pworker.errors import MessageTooLarge, P2PError
 from vllm_adapter.finished import RECENT_FINISHED_MAX, RECENT_FINISHED_S, REPLAY_IN_RING_MAX, FinishedReplay
+from vllm_adapter.hints import PullPath, SourceHints
 from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind
 from vllm_adapter.lookups import AskedLookups, PeerLookups
 from vllm_adapter.metrics import Counts
@@ -458,10 +459,71 @@ def test_shutdown_drain_without_a_serving_worker_queues_nothing():
 
 
 # ------------------------------------------------------------ lookups.py: the asker
+def ask_first(box: Outbox) -> AskedLookups:
+    """An asker on the two-step path for every request (tier key pull_path = "ask_first")."""
+    return AskedLookups(box, SourceHints(), Counts(), one_trip=False)
+
+
+def test_one_trip_answers_hit_at_once_and_asks_nothing_until_the_load():
+    box, _, _ = outbox()
+    counts = Counts()
+    asked = AskedLookups(box, SourceHints(), counts)
+    assert [asked.lookup("h:1", "kv-a", key(i)) for i in range(3)] == [LookupResult.HIT] * 3
+    asked.send_asks()
+    assert box.commands == [] and not asked.pending and asked.path("kv-a") is PullPath.ONE_TRIP
+    assert (counts.pulls_one_trip, counts.pulls_ask_first) == (1, 0)  # per request, not per key
+    asked.forget("kv-a")
+    assert asked.path("kv-a") is None
+
+
+def test_a_first_key_the_source_lately_lacked_takes_the_two_step_path_until_the_hint_ends():
+    now = [100.0]
+    hints = SourceHints(lambda: now[0], hint_s=10.0)
+    box, _, _ = outbox()
+    counts = Counts()
+    asked = AskedLookups(box, hints, counts)
+    hints.lacked("h:1", [key(1)])
+    assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.RETRY  # asked first
+    assert asked.lookup("h:1", "kv-a", key(2)) is LookupResult.RETRY  # the whole request keeps its path
+    assert asked.lookup("h:2", "kv-b", key(1)) is LookupResult.HIT  # another source: nothing known
+    asked.send_asks()
+    (cmd,) = box.commands
+    asked.on_result(api.LookupResult(cmd.lookup_id, [True, False]))  # the source holds key 1 now
+    assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.HIT
+    assert not hints.missing("h:1", key(1)) and hints.missing("h:1", key(2))
+    now[0] += 10.0
+    assert not hints.missing("h:1", key(2)) and len(hints) == 0  # the hint ended
+    assert (counts.pulls_one_trip, counts.pulls_ask_first) == (1, 1)
+
+
+def test_hints_are_bounded_oldest_first():
+    hints = SourceHints(lambda: 0.0, max_entries=3)
+    hints.lacked("h:1", [key(i) for i in range(5)])
+    assert len(hints) == 3 and not hints.missing("h:1", key(0)) and hints.missing("h:1", key(4))
+
+
+def test_a_one_trip_load_that_falls_short_reports_what_landed_counts_and_hints_the_rest():
+    box, _, _ = outbox()
+    counts = Counts()
+    hints = SourceHints()
+    jobs = JobBook("w", box, counts, hints=hints)
+    job = TransferJob(job_id=7, keys=[key(1), key(2), key(3)], chunk_ids=np.array([4, 5, 6]), is_promotion=True,
+                      req_context=ctx())
+    assert jobs.submit(JobKind.LOAD, job, "kv-a", "refused", address="h:1", ask=True)
+    (cmd,) = box.commands
+    assert isinstance(cmd, api.LoadJob) and cmd.ask and cmd.rows == [4, 5, 6]
+    jobs.report(api.JobFinished(7, "load", False, [key(1)], 4096, 0.01, "the producer's engine does not hold them"))
+    (res,) = jobs.take_results()
+    assert res.success is False and list(res.successful_keys) == [key(1)]  # vLLM keeps key 1, recomputes from 2
+    assert "kv-a" in jobs.failed_req_ids  # the request's later lookups MISS
+    assert (counts.pull_keys_landed, counts.pull_keys_missed, counts.loads_failed) == (1, 2, 1)
+    assert hints.path("h:1", key(2)) is PullPath.ASK_FIRST and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+
+
 def one_sent_ask() -> tuple[AskedLookups, Outbox, api.LookupKeys]:
     """An asker with one key of request kv-a asked of h:1 and sent: (the asker, its outbox, the command)."""
     box, _, _ = outbox()
-    asked = AskedLookups(box)
+    asked = ask_first(box)
     asked.lookup("h:1", "kv-a", key(1))
     asked.send_asks()
     (cmd,) = box.commands
@@ -470,7 +532,7 @@ def one_sent_ask() -> tuple[AskedLookups, Outbox, api.LookupKeys]:
 
 def test_asked_lookups_batch_per_request_and_peer_then_answer_hit_or_miss():
     box, _, _ = outbox()
-    asked = AskedLookups(box)
+    asked = ask_first(box)
     k1, k2, k3 = key(1), key(2), key(3)
     assert asked.lookup("h:1", "kv-a", k1) is LookupResult.RETRY
     assert asked.lookup("h:1", "kv-a", k2) is LookupResult.RETRY
@@ -496,7 +558,7 @@ def test_asks_past_the_key_limit_go_out_as_several_lookups(monkeypatch):
     # the limit is a million keys; a small one shows the split without a million lookups
     monkeypatch.setattr(api, "MAX_JOB_KEYS", 2)
     box, _, _ = outbox()
-    asked = AskedLookups(box)
+    asked = ask_first(box)
     keys = [key(i) for i in range(5)]
     for k in keys:
         asked.lookup("h:1", "kv-a", k)
@@ -507,7 +569,7 @@ def test_asks_past_the_key_limit_go_out_as_several_lookups(monkeypatch):
 
 def test_asks_without_a_serving_worker_answer_miss_at_once():
     box, _, _ = outbox(serving=False)
-    asked = AskedLookups(box)
+    asked = ask_first(box)
     assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.RETRY
     asked.send_asks()
     assert box.commands == [] and not asked.pending
@@ -526,7 +588,7 @@ def test_a_late_answer_for_a_finished_request_is_dropped():
 
 def test_an_answer_with_too_few_flags_is_a_miss_for_every_key_not_a_retry_forever():
     box, _, _ = outbox()
-    asked = AskedLookups(box)
+    asked = ask_first(box)
     asked.lookup("h:1", "kv-a", key(1))
     asked.lookup("h:1", "kv-a", key(2))
     asked.send_asks()
@@ -538,7 +600,7 @@ def test_an_answer_with_too_few_flags_is_a_miss_for_every_key_not_a_retry_foreve
 
 def test_an_answer_for_an_unknown_lookup_changes_nothing():
     box, _, _ = outbox()
-    asked = AskedLookups(box)
+    asked = ask_first(box)
     asked.lookup("h:1", "kv-a", key(1))
     asked.send_asks()
     asked.on_result(api.LookupResult(12345, [True]))
@@ -547,7 +609,7 @@ def test_an_answer_for_an_unknown_lookup_changes_nothing():
 
 def test_miss_all_answers_sent_and_unsent_asks_miss():
     box, _, _ = outbox()
-    asked = AskedLookups(box)
+    asked = ask_first(box)
     asked.lookup("h:1", "kv-a", key(1))
     asked.send_asks()  # sent, no answer yet
     asked.lookup("h:1", "kv-b", key(2))  # asked, not sent yet

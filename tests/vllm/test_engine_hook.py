@@ -53,16 +53,26 @@ class FakeEngineCore:
         return time.monotonic() - t0
 
 
-def start_pull(puller: Engine, owner: Engine, kv_request_id: str, ids: list[int]) -> ReqContext:
-    """A request on ``puller`` whose prefix lives on ``owner`` (llm-d's remote_kv_source): its first lookups RETRY
-    while the source is asked."""
+def start_pull(puller: Engine, owner: Engine, kv_request_id: str, ids: list[int], req_id: str = "pull") -> ReqContext:
+    """A request on ``puller`` whose prefix lives on ``owner`` (llm-d's remote_kv_source), in one round trip: its
+    lookups answer at once (promotions), and the step submits the load, which asks the source."""
     host, port = owner.tier.worker_address.split(":")
-    ctx = ReqContext(req_id="pull", kv_transfer_params={
+    ctx = ReqContext(req_id=req_id, kv_transfer_params={
         "remote_kv_source": {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": int(port)}})
     with puller.lock:
         puller.mgr.on_new_request(ctx)
-    assert puller.lookup(ctx, ids) == [LookupResult.RETRY] * len(ids)
+    assert puller.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
+    puller.step([req_id])
     return ctx
+
+
+def loaded(puller: Engine, ctx: ReqContext, ids: list[int], t0: float, at: list[float]) -> bool:
+    """Step the puller; True (and the time in ``at``) once its load ended and every key is in its CPU tier."""
+    puller.step()
+    if puller.idle() and puller.lookup(ctx, ids) == [LookupResult.HIT] * len(ids):
+        at.append(time.monotonic() - t0)
+        return True
+    return False
 
 
 @pytest.fixture
@@ -96,23 +106,14 @@ def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller
     run_until([owner], owner.idle)
     time.sleep(2.0)  # idle: heartbeats arrive, unread
     assert source.input_queue.empty() and owner.tier.waker.wakes == 0, "an idle engine was woken for nothing"
-    ctx = start_pull(puller, owner, "pull-1", ids)
     t0 = time.monotonic()
-    answered = []
-
-    def puller_answered() -> bool:
-        puller.step()
-        if puller.lookup(ctx, ids) != [LookupResult.RETRY] * 3:
-            answered.append(time.monotonic() - t0)
-            return True
-        return False
-
-    source.idle_loop(puller_answered, timeout_s=4.0)
-    assert answered[0] < 1.0, f"the idle source answered after {answered[0]:.2f} s"
-    assert puller.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 3
-    puller.step(["pull"])
-    # the fetch: the source's worker offers the rows itself; the source engine reports its store job once woken
-    source.idle_loop(lambda: puller.step() or (puller.idle() and owner.idle()), timeout_s=4.0)
+    ctx = start_pull(puller, owner, "pull-1", ids)
+    at: list[float] = []
+    # the load's ask wakes the source, which pins and parks its hits; its worker offers them in the same exchange
+    source.idle_loop(lambda: loaded(puller, ctx, ids, t0, at), timeout_s=4.0)
+    assert at[0] < 1.0, f"the pull from an idle source took {at[0]:.2f} s"
+    # the source engine reports its store job once woken again by the consumer's Release
+    source.idle_loop(lambda: puller.step() or owner.idle(), timeout_s=4.0)
     puller.check_loaded(ctx, ids)
     assert owner.tier.waker.wakes >= 1
 
@@ -129,16 +130,11 @@ def test_a_source_that_just_went_idle_is_woken_at_once_not_after_idle_s(source, 
     owner.store("own", ids)
     # vLLM 0.32 steps while has_work() (the tier's has_pending_work) says so; its last "no" is where it blocks
     run_until([owner], lambda: owner.idle() and not owner.mgr.has_pending_work())
+    t0 = time.monotonic()
     ctx = start_pull(puller, owner, "pull-2", ids)
-
-    def puller_answered() -> bool:
-        puller.step()
-        return puller.lookup(ctx, ids) != [LookupResult.RETRY] * 2
-
-    source.idle_loop(puller_answered, timeout_s=10.0)
-    assert puller.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 2
-    puller.step(["pull"])
-    source.idle_loop(lambda: puller.step() or (puller.idle() and owner.idle()), timeout_s=10.0)
+    at: list[float] = []
+    source.idle_loop(lambda: loaded(puller, ctx, ids, t0, at), timeout_s=10.0)
+    source.idle_loop(lambda: puller.step() or owner.idle(), timeout_s=10.0)
     puller.check_loaded(ctx, ids)
     assert owner.tier.waker.wakes >= 1
 
@@ -193,7 +189,9 @@ def test_while_vllm_stops_a_source_answers_peers_all_miss_and_pins_nothing(sourc
         "remote_kv_source": {"kv_request_id": "late-1", "remote_host": host, "remote_port": int(port)}})
     with puller.lock:
         puller.mgr.on_new_request(ctx)
-    puller.lookup(ctx, [50, 51])
-    run_until([puller, owner], lambda: puller.lookup(ctx, [50]) != [LookupResult.RETRY], timeout_s=10)
-    assert puller.lookup(ctx, [50, 51]) == [LookupResult.MISS] * 2
+    assert puller.lookup(ctx, [50, 51]) == [LookupResult.HIT_PENDING] * 2  # one trip: the load asks
+    puller.step(["late"])
+    run_until([puller, owner], puller.idle, timeout_s=10)
+    assert puller.lookup(ctx, [50, 51]) == [LookupResult.MISS] * 2  # the load brought nothing: recomputed
+    assert puller.tier.counters()["pull_keys_missed"] == 2
     assert owner.idle() and owner.tier.counters()["jobs_in_flight"] == 0

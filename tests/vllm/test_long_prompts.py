@@ -12,7 +12,8 @@ import time
 import pytest
 
 from p2pworker import api
-from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, run_until
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, key, run_until
+from vllm_adapter.hints import PullPath
 
 pytestmark = pytest.mark.timeout(300)
 ROW = 4096
@@ -61,16 +62,22 @@ def test_a_long_prompt_pd_request_lands_byte_exact_as_one_job(free_port, n):
         prefill.close()
 
 
-def test_a_symmetric_lookup_of_65536_keys_then_its_load(free_port):
+@pytest.mark.parametrize("path", [PullPath.ONE_TRIP, PullPath.ASK_FIRST])
+def test_a_symmetric_pull_of_65536_keys(free_port, path):
+    """One trip: every lookup HIT at once, the load of 65,536 keys asks the source.  Ask first: one batched lookup
+    of 65,536 keys, then the load."""
     n = 65_536
     owner, reader = _engines(free_port, n)
     try:
         ids = list(range(n))
         owner.store("own", ids)  # a plain request: the chunks live in the owner's primary tier only
         ctx = _consumer(reader, owner, "sym", "sym-long", kind="remote_kv_source")
-        assert reader.lookup(ctx, ids) == [LookupResult.RETRY] * n  # asked in one batched lookup at the next poll
-        run_until([reader, owner], lambda: reader.lookup(ctx, [n - 1]) != [LookupResult.RETRY], timeout_s=120)
+        if path is PullPath.ASK_FIRST:
+            reader.tier.hints.lacked(owner.tier.worker_address, [key(0)])  # the source lately lacked the first key
+            assert reader.lookup(ctx, ids) == [LookupResult.RETRY] * n  # asked in one batched lookup at the next poll
+            run_until([reader, owner], lambda: reader.lookup(ctx, [n - 1]) != [LookupResult.RETRY], timeout_s=120)
         assert reader.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * n  # the owner holds every one
+        assert reader.tier.lookups.path("sym-long") is path
         reader.step(["sym"])
         run_until([reader, owner], lambda: reader.idle() and owner.idle(), timeout_s=180)
         assert reader.lookup(ctx, ids) == [LookupResult.HIT] * n

@@ -327,31 +327,100 @@ def test_worker_death_fails_jobs_once_then_a_new_worker_serves(pd):
     assert decode.lookup(ctx3, [7]) == [LookupResult.HIT]
 
 
-def test_symmetric_sharing_retry_then_hit_and_bytes_land(pd):
+def _symmetric(owner, reader, rid: str, kv_id: str) -> ReqContext:
+    host, port = owner.tier.worker_address.split(":")
+    ctx = ReqContext(req_id=rid, kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": kv_id, "remote_host": host, "remote_port": int(port)}})
+    with reader.lock:
+        reader.mgr.on_new_request(ctx)
+    return ctx
+
+
+def _spy(tier) -> list:
+    sent = []
+    real_send = tier.outbox.send
+    tier.outbox.send = lambda cmd: sent.append(cmd) or real_send(cmd)
+    return sent
+
+
+def test_symmetric_sharing_in_one_round_trip_loads_what_the_source_holds_and_recomputes_the_rest(pd):
+    """The lookups promise every key at once (HIT, so vLLM allocates and submits the load in the same step); the
+    load asks the source, brings the three keys it holds, and fails the one it lacks: vLLM drops that key from its
+    CPU tier, and the request's next lookup answers MISS there (vLLM recomputes from it)."""
     owner, reader = pd
     ids = [10, 11, 12]
     owner.store("own", ids)  # plain request: the chunks live in the owner's primary tier only
-    host, port = owner.tier.worker_address.split(":")
-    ctx = ReqContext(req_id="sym", kv_transfer_params={
-        "remote_kv_source": {"kv_request_id": "sym-1", "remote_host": host, "remote_port": int(port)}})
-    with reader.lock:
-        reader.mgr.on_new_request(ctx)
-    sent = []
-    real_send = reader.tier.outbox.send
-    reader.tier.outbox.send = lambda cmd: sent.append(cmd) or real_send(cmd)
+    ctx = _symmetric(owner, reader, "sym", "sym-1")
+    sent = _spy(reader.tier)
+    with reader.lock:  # one step, held as vLLM holds it
+        assert [reader.mgr.lookup(key(i), ctx) for i in ids + [99]] == [LookupResult.HIT_PENDING] * 4
+        reader.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=["sym"], preempted_req_ids=[]))
+    (load,) = sent  # no LookupKeys: the load carries the ask, submitted at the step's end
+    assert isinstance(load, api.LoadJob) and load.ask and len(load.keys) == 4
+    run_until([reader, owner], lambda: reader.idle() and owner.idle())
+    assert reader.lookup(ctx, ids) == [LookupResult.HIT] * 3
+    assert reader.lookup(ctx, [99]) == [LookupResult.MISS]  # what the source lacked: recomputed, not re-promoted
+    reader.check_loaded(ctx, ids)
+    c = reader.tier.counters()
+    assert (c["pulls_one_trip"], c["pull_keys_landed"], c["pull_keys_missed"]) == (1, 3, 1)
+    assert owner.tier.counters()["stores_ok"] >= 1 and owner.tier.counters()["jobs_in_flight"] == 0
+    # the next request from this source whose first key is 99 asks first (the hint), and MISSes without a load
+    ctx2 = _symmetric(owner, reader, "sym2", "sym-2")
+    assert reader.lookup(ctx2, [99]) == [LookupResult.RETRY]
+    run_until([reader, owner], lambda: reader.lookup(ctx2, [99]) != [LookupResult.RETRY])
+    assert reader.lookup(ctx2, [99]) == [LookupResult.MISS] and reader.tier.counters()["pulls_ask_first"] == 1
+
+
+def test_a_one_trip_pull_is_served_by_the_sources_poll_thread_alone_on_0_33_and_at_its_step_on_0_32(pd):
+    """Where the source's engine must pin the rows (its CPU tier), the shortest safe path: vLLM 0.33's tier-poll
+    thread serves the load's ask without a scheduler step of the source (it runs serve_external_requests under the
+    manager lock); vLLM 0.32 has no such thread, so the ask waits for the source's next step (an idle 0.32 engine is
+    woken for it: test_engine_hook)."""
+    owner, reader = pd
+    ids = [30, 31]
+    owner.store("own3", ids)
+    ctx = _symmetric(owner, reader, "sym4", "sym-4")
+    assert reader.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 2
+    reader.step(["sym4"])
+    poll_thread = getattr(owner.spec, "tier_poll_interval_s", 0) > 0  # 0.33 (default 1 ms); 0.32 has none
+    t0 = time.monotonic()
+    deadline = t0 + (10.0 if poll_thread else 0.5)
+    while time.monotonic() < deadline and not reader.idle():
+        reader.step()  # only the puller steps
+        time.sleep(0.001)
+    if poll_thread:
+        assert reader.idle(), "the source's tier-poll thread did not serve the ask"
+    else:
+        assert not reader.idle(), "served without a step of the source: 0.32 has no tier-poll thread"
+        run_until([reader, owner], reader.idle)
+    assert reader.lookup(ctx, ids) == [LookupResult.HIT] * 2
+    reader.check_loaded(ctx, ids)
+
+
+def test_symmetric_sharing_asking_first_retries_then_hits_and_bytes_land(pd):
+    """The two-step path (a source that lately lacked the request's first key): RETRY until the source answered,
+    then HIT or MISS; the load fetches what the source parked."""
+    owner, reader = pd
+    ids = [20, 21, 22]
+    owner.store("own2", ids)
+    ctx = _symmetric(owner, reader, "sym3", "sym-3")
+    reader.tier.hints.lacked(owner.tier.worker_address, [key(20)])  # what an earlier one-trip load would leave
+    sent = _spy(reader.tier)
     with reader.lock:  # one step, held as vLLM holds it: 0.33's tier-poll thread cannot send the asks meanwhile
         assert [reader.mgr.lookup(key(i), ctx) for i in ids + [99]] == [LookupResult.RETRY] * 4  # asked
-        reader.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=["sym"], preempted_req_ids=[]))
+        reader.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=["sym3"], preempted_req_ids=[]))
         # handed to the worker by that step's on_schedule_end, not left for the next step's first poll
         assert not reader.tier.lookups.unsent and reader.tier.outbox.commands == []
     assert [type(c) for c in sent] == [api.LookupKeys] and len(sent[0].keys) == 4
     run_until([reader, owner], lambda: reader.lookup(ctx, [99]) != [LookupResult.RETRY])
     assert reader.lookup(ctx, [99]) == [LookupResult.MISS]  # the owner does not hold 99
     assert reader.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * 3  # tier HIT -> promotion
-    reader.step(["sym"])
+    reader.step(["sym3"])
     run_until([reader, owner], lambda: reader.idle() and owner.idle())
     assert reader.lookup(ctx, ids) == [LookupResult.HIT] * 3
     reader.check_loaded(ctx, ids)
+    loads = [c for c in sent if isinstance(c, api.LoadJob)]
+    assert len(loads) == 1 and not loads[0].ask  # the source parked the hits when it answered
     assert owner.tier.counters()["stores_ok"] >= 1 and owner.tier.counters()["jobs_in_flight"] == 0
 
 
@@ -500,6 +569,7 @@ def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_p
             "remote_kv_source": {"kv_request_id": "sym-cfg", "remote_host": "127.0.0.1", "remote_port": 9}})
         with eng.lock:
             eng.mgr.on_new_request(ctx)
+        eng.tier.hints.lacked("127.0.0.1:9", [key(1)])  # the two-step path: an ask that waits in the tier
         assert eng.lookup(ctx, [1]) == [LookupResult.RETRY]  # asked: batched for the next poll, not sent yet
         eng.tier.supervisor.config_error("test: a configuration error")
         assert eng.tier.supervisor.fatal is not None and eng.tier.supervisor.client is None
