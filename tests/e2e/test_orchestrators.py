@@ -11,6 +11,8 @@ force-kill, nothing left in /dev/shm or /tmp.
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import threading
 import time
@@ -26,6 +28,8 @@ pytestmark = pytest.mark.timeout(600)
 IDLE_S = 2.0  # an engine with no request for this long has stopped stepping (vLLM 0.32 calls no tier then)
 P2P = "vllm:prompt_tokens_cached_by_source_total"
 IN_FLIGHT = "vllm:kv_offload_p2pworker_jobs_in_flight"
+PULL_KEYS = "vllm:kv_offload_p2pworker_pull_keys_total"
+PULLS = "vllm:kv_offload_p2pworker_pulls_total"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,20 +72,28 @@ def released_after(pd, ended: float, what: str) -> float:
     return time.monotonic() - ended
 
 
+def missed_keys(pd, which: str = "decode") -> float:
+    """Keys one-trip loads of ``which`` promised that their source did not bring (vLLM recomputed them)."""
+    return pd.metric(which, PULL_KEYS, outcome="missed")
+
+
 def test_pull_from_an_idle_source_is_served_not_waited_out(pd):
     """vLLM's proxy in ``--p2p`` mode and llm-d's aggregated sharing: the prefill engine computes a prompt with no
     transfer params, sits idle (vLLM 0.32 stops calling its tiers), and the decode engine pulls that prefix with
-    ``remote_kv_source``.  The idle source answers (its engine is woken for the peer's lookup): every full block is
-    pulled, the answer equals one engine's, and the pull costs at most 1 s more than recomputing the same length
-    (before, the source's lookup sat unread until the puller's lookup_timeout_s, 5 s, and it recomputed)."""
+    ``remote_kv_source``, in one round trip (its lookups answer at once, the load asks the source).  The idle source
+    serves (its engine is woken for the load's ask): every full block is pulled, the answer equals one engine's, and
+    the pull costs at most 1 s more than recomputing the same length (before the waker, the source's lookup sat
+    unread until the puller's lookup_timeout_s, 5 s, and it recomputed)."""
     n = 520
     text = prompt(n, seed=6000)
     want = baseline(pd, text)
     pd.complete("prefill", text, max_tokens=1)  # the source holds the prompt in its CPU tier
     time.sleep(IDLE_S)
+    one_trip = pd.metric("decode", PULLS, path="one_trip")
     got, took, pulled = pull(pd, text, source(pd, "prefill"))
     assert_same(got, want, "pulled from an idle source")
     assert pulled == expected_p2p_tokens(n), f"decode pulled {pulled} tokens, want {expected_p2p_tokens(n)}"
+    assert pd.metric("decode", PULLS, path="one_trip") == one_trip + 1
     _, recompute_s = timed(pd.complete, "decode", prompt(n, seed=6001))
     pd.report["idle_source_pull_s"] = {"pull": round(took, 3), "recompute_same_length": round(recompute_s, 3)}
     assert took <= recompute_s + 1.0, f"pull from an idle source took {took:.2f} s, recompute {recompute_s:.2f} s"
@@ -234,3 +246,82 @@ def test_a_mis_addressed_pull_recomputes_fast(pd, where):
     extra = max(r - p for r, p in zip(runs, plain))
     assert extra <= (0.5 if where == "refused" else 3.0 + 1.0), f"{where}: {runs} s vs recompute {plain} s"
     assert statistics.median(runs) < 5.0
+
+
+def test_a_source_that_evicted_its_copy_makes_the_pull_recompute(pd):
+    """The source computed the prompt, then dropped its CPU tier (``/reset_prefix_cache?reset_external=true``, as a
+    full tier's evictions would): the one-trip load's ask finds nothing, the load fails, the request recomputes with
+    the single-engine answer, and the tier counts every promised key as missed, at most 1 s slower than recomputing.
+    (A later request from that source whose first key it lacked asks first: tests/vllm/test_tier.py; here the
+    puller's own CPU tier holds the recomputed prompt by then.)"""
+    n = 520
+    text = prompt(n, seed=6700)
+    want = baseline(pd, text)
+    pd.complete("prefill", text, max_tokens=1)
+    assert http_json(pd.url("prefill") + "/reset_prefix_cache?reset_external=true", {}) is not None
+    missed = missed_keys(pd)
+    got, took, pulled = pull(pd, text, source(pd, "prefill"))
+    assert_same(got, want, "pulled from a source that evicted its copy")
+    assert pulled == 0
+    assert missed_keys(pd) - missed == n // BLOCK, "every promised key counted as recomputed"
+    _, recompute_s = timed(pd.complete, "decode", prompt(n, seed=6701))
+    pd.report["evicted_source_pull_s"] = {"pull": round(took, 3), "recompute_same_length": round(recompute_s, 3)}
+    assert took <= recompute_s + 1.0, f"a pull of nothing took {took:.2f} s, recompute {recompute_s:.2f} s"
+
+
+def test_a_source_of_another_model_is_refused_and_the_pull_recomputes(pd, tmp_path):
+    """A source whose worker serves another model (its KV fingerprint differs): the handshake refuses it, the
+    one-trip load fails at once, and the request recomputes with the single-engine answer."""
+    from p2pworker.client import WorkerClient
+    from p2pworker.shm import KVRegion
+
+    secret = pd.env.get("P2PWORKER_SECRET")  # the session's pair is given one; pd.sh generates one otherwise
+    if not secret:
+        with open(os.path.join(pd.run_dir, "secret")) as f:
+            secret = f.read().strip()
+    region = KVRegion.create(f"p2pw_e2e_other_{os.getpid()}", 16, 4096)
+    other = WorkerClient("e2e-other-model", args=["--port", "0", "--admin", str(tmp_path / "other.admin")],
+                         env={"P2PWORKER_SECRET": secret})
+    try:
+        other.attach(region.handle, {"model": "another-model"})
+        host, port = other.ready.address.removeprefix("tcp://").rsplit(":", 1)
+        n = 520
+        text = prompt(n, seed=6800)
+        want = baseline(pd, text)
+        src = {"kv_request_id": f"other-{uuid.uuid4().hex}", "remote_host": host, "remote_port": int(port)}
+        got, took, pulled = pull(pd, text, src)
+        assert_same(got, want, "pulled from a source of another model")
+        assert pulled == 0
+        _, recompute_s = timed(pd.complete, "decode", prompt(n, seed=6801))
+        pd.report["other_model_pull_s"] = {"pull": round(took, 3), "recompute_same_length": round(recompute_s, 3)}
+        assert took <= recompute_s + 1.0, f"a refused pull took {took:.2f} s, recompute {recompute_s:.2f} s"
+    finally:
+        assert other.close() == 0
+        region.close()
+
+
+def test_a_dead_source_makes_the_pull_recompute_and_a_restarted_one_serves_again(pd):
+    """The source engine's worker is SIGKILLed right after it held a prefix: the pull from it recomputes with the
+    single-engine answer (its link is gone; nothing hangs); the engine's tier restarts the worker, and a later pull
+    from it is served."""
+    n = 520
+    text = prompt(n, seed=6900)
+    want = baseline(pd, text)
+    pd.complete("prefill", text, max_tokens=1)
+    (old,) = pd.worker_pids("prefill")
+    os.kill(old, signal.SIGKILL)
+    got, took, pulled = pull(pd, text, source(pd, "prefill"))
+    assert_same(got, want, "pulled from a dead source")
+    assert pulled == 0
+    pd.report["dead_source_pull_s"] = round(took, 3)
+    assert took < 10, f"a pull from a dead source took {took:.2f} s"
+    deadline = time.monotonic() + 60
+    for i in range(200):  # requests step the source engine: its tier notices the death and restarts the worker
+        text = prompt(n, seed=6910 + i)
+        pd.complete("prefill", text, max_tokens=1)
+        if [p for p in pd.worker_pids("prefill") if p != old]:
+            _, _, pulled = pull(pd, text, source(pd, "prefill"))
+            if pulled == expected_p2p_tokens(n):
+                break
+        assert time.monotonic() < deadline, "no pull was served after the source's worker was restarted"
+        time.sleep(0.5)

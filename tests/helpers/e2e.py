@@ -46,7 +46,8 @@ class PD:
             "DECODE_WORKER_METRICS": str(self.decode_worker_metrics), "CPU_BYTES": str(64 << 20),
             "HEALTH_TIMEOUT_S": "300",
             "VLLM_ARGS": f"--enforce-eager --dtype float32 --max-model-len {MAX_MODEL_LEN} --max-num-seqs 8",
-            "PREFILL_ENV": "VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1",
+            # dev mode on the prefill engine: /reset_prefix_cache (a source that evicted its copy, test_orchestrators)
+            "PREFILL_ENV": "VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1",
             "DECODE_ENV": "VLLM_CPU_OMP_THREADS_BIND=1 VLLM_CPU_KVCACHE_SPACE=1",
         }
         self.env.pop("P2PWORKER_SECRET", None)  # pd.sh generates one into RUN_DIR
