@@ -53,6 +53,10 @@ class JobBook:
         self.open: dict[int, OpenJob] = {}  # submitted to the worker, not yet reported to vLLM
         self.results: list[JobResult] = []  # reported by the worker (or failed here), not yet handed to vLLM
         self.failed_req_ids: set[str] = set()  # requests whose load failed: their lookups MISS
+        # Loads open per kv_request_id, and ids whose request ended while one was open (vLLM finishes a request
+        # without waiting for its promotions): a late failure must not leave the id failed for good.
+        self._open_loads: dict[str, int] = {}
+        self._ended: set[str] = set()
         self._name, self._outbox, self._counts = name, outbox, counts
         self._hints = hints if hints is not None else SourceHints(clock)  # what one-trip loads found missing
         self._stop_reset_at: float | None = None  # vLLM is draining for shutdown: the next ResetCache then
@@ -73,6 +77,8 @@ class JobBook:
         asked for the keys when the fetch arrives).  True: queued."""
         keys = list(job.keys)  # OffloadKey is bytes
         self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, self.clock() if now is None else now, address, ask)
+        if kind is JobKind.LOAD:
+            self._open_loads[kv_request_id] = self._open_loads.get(kv_request_id, 0) + 1
         if len(keys) > api.MAX_JOB_KEYS:
             self.finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
             return False
@@ -104,16 +110,24 @@ class JobBook:
                 landed = [k for k in (keys or []) if k in asked]
             self.results.append(JobResult(job_id, success, successful_keys=landed, transfer_time=seconds,
                                           transfer_bytes=nbytes))
+            left = self._open_loads.get(rid, 1) - 1
+            if left > 0:
+                self._open_loads[rid] = left
+            else:
+                self._open_loads.pop(rid, None)
             if job.ask:
                 self._one_trip_done(job, landed, success, reason)
-            if not success:
+            if not success and rid not in self._ended:
                 self.failed_req_ids.add(rid)  # later lookups MISS: vLLM recomputes, no re-promotion loop
-                if not job.ask:  # a one-trip load that falls short is the expected way to learn what a peer lacks
-                    log.warning("load for %s failed (%s); recomputing", rid, reason or "worker gone")
+            if left <= 0:
+                self._ended.discard(rid)
             if success:
                 self._counts.loads_ok += 1
+            elif job.ask:  # a one-trip load that falls short is the expected way to learn what a peer lacks
+                self._counts.loads_short += 1
             else:
                 self._counts.loads_failed += 1
+                log.warning("load for %s failed (%s); recomputing", rid, reason or "worker gone")
         else:
             self.results.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=nbytes))
             if success:
@@ -121,10 +135,18 @@ class JobBook:
             else:
                 self._counts.stores_failed += 1
 
+    def request_ended(self, rid: str) -> None:
+        """A loading request ended: its lookups are forgotten, and a load of it still open may fail without leaving
+        the id failed (a new request under a reused id must not MISS for it)."""
+        self.failed_req_ids.discard(rid)
+        if self._open_loads.get(rid):
+            self._ended.add(rid)
+
     def _one_trip_done(self, job: OpenJob, landed: list[bytes], success: bool, reason: str) -> None:
-        """A one-trip load ended: count what its promise brought, and remember at its peer what did not come (the
-        next request that starts with such a key asks first: vllm_adapter/hints.py)."""
+        """A one-trip load ended: count what its promise brought, and remember at its peer what did and did not come
+        (the next request that starts with a missing key asks first: vllm_adapter/hints.py)."""
         self._counts.pull_keys_landed += len(landed)
+        self._hints.held(job.address, landed)
         if success:
             return
         self._counts.pull_keys_missed += len(job.keys) - len(landed)

@@ -29,7 +29,6 @@ log = logging.getLogger("vllm_adapter.tier")
 class AskedLookups:
     def __init__(self, outbox: Outbox, hints: SourceHints, counts: Counts, *, one_trip: bool = True):
         self._outbox, self._hints, self._counts, self._one_trip = outbox, hints, counts, one_trip
-        self._paths: dict[str, PullPath] = {}  # kv_request_id -> its path, chosen at its first lookup
         self._answers: dict[str, dict[bytes, bool]] = {}  # key -> the peer holds it
         self._asked: dict[str, set[bytes]] = {}  # keys asked, no answer yet (present while the request lives)
         self._asking: dict[tuple[str, str], list[bytes]] = {}  # (address, kv_request_id) -> keys to ask
@@ -46,23 +45,23 @@ class AskedLookups:
         """Keys vLLM asked about that are not on their way to the worker yet."""
         return bool(self._asking)
 
-    def path(self, rid: str) -> PullPath | None:
-        """The request's path (None: it looked nothing up yet)."""
-        return self._paths.get(rid)
-
-    def lookup(self, address: str, rid: str, key) -> LookupResult:
-        """ONE_TRIP: HIT (the load asks the peer).  ASK_FIRST: the peer's answer for ``key``; RETRY while it is
-        asked (batched at the step's end or the next poll)."""
-        k = bytes(key)
-        path = self._paths.get(rid)
+    def path(self, req_context: ReqContext, address: str, key) -> PullPath:
+        """The request's path, chosen at its first lookup and kept in its own context (not by kv_request_id: two live
+        requests may share one, and vLLM 0.33 ends one before it submits the other's loads)."""
+        path = req_context.get_state(PullPath)
         if path is None:
-            path = self._paths[rid] = self._hints.path(address, k) if self._one_trip else PullPath.ASK_FIRST
+            path = self._hints.path(address, bytes(key)) if self._one_trip else PullPath.ASK_FIRST
+            req_context.set_state(path)
             if path is PullPath.ONE_TRIP:
                 self._counts.pulls_one_trip += 1
             else:
                 self._counts.pulls_ask_first += 1
-        if path is PullPath.ONE_TRIP:
-            return LookupResult.HIT
+        return path
+
+    def lookup(self, address: str, rid: str, key) -> LookupResult:
+        """The two-step path: the peer's answer for ``key``; RETRY while it is asked (batched at the step's end or
+        the next poll)."""
+        k = bytes(key)
         answers = self._answers.get(rid)
         answer = answers.get(k) if answers is not None else None
         if answer is None:
@@ -77,7 +76,6 @@ class AskedLookups:
 
     def forget(self, rid: str) -> None:
         """The request finished."""
-        self._paths.pop(rid, None)
         self._answers.pop(rid, None)
         self._asked.pop(rid, None)
 
@@ -159,7 +157,12 @@ class PeerLookups:
         ctx = ReqContext(req_id=f"p2pw:{ev.peer_id}:{ev.request_id}:{ev.lookup_id}", kv_transfer_params=None)
         parent.on_new_request(ctx)
         try:
-            hits = [k for k in ev.keys if parent.lookup(k, ctx) is LookupResult.HIT]
+            hits = []
+            for k in ev.keys:
+                if parent.lookup(k, ctx) is LookupResult.HIT:
+                    hits.append(k)
+                elif ev.lookup_id < 0:  # a one-trip load's ask (its id is negative): its request uses only the
+                    break               # prefix, so keys past a gap are not pinned
             if hits:
                 job = parent.create_store_job(hits, ctx)  # pins the rows; reported by our get_finished_jobs
                 if self._book.submit(JobKind.STORE, job, ev.request_id, "worker not ready"):

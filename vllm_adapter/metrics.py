@@ -30,7 +30,8 @@ class Metric:
 
 TIER_METRICS: dict[str, Metric] = {
     M_LOADS: Metric(MetricKind.COUNTER, ("worker", "outcome"),
-                    "Load jobs (peer -> this engine's CPU tier), by outcome"),
+                    "Load jobs (peer -> this engine's CPU tier), by outcome: ok, failed, or short (a one-trip load "
+                    "that brought less than it promised; vLLM recomputed the rest)"),
     M_STORES: Metric(MetricKind.COUNTER, ("worker", "outcome"), "Store jobs (rows offered to peers), by outcome"),
     M_DEATHS: Metric(MetricKind.COUNTER, ("worker",), "p2pworker processes of this engine that died or were killed"),
     M_RESTARTS: Metric(MetricKind.COUNTER, ("worker",),
@@ -53,6 +54,7 @@ class Counts:
 
     loads_ok: int = 0
     loads_failed: int = 0
+    loads_short: int = 0  # one-trip loads that brought less than promised (the source lacked the rest)
     stores_ok: int = 0
     stores_failed: int = 0
     worker_deaths: int = 0
@@ -104,6 +106,7 @@ class TierMetrics:
         c, w = self.counts, self._worker
         return {
             (M_LOADS, (w, "ok")): c.loads_ok, (M_LOADS, (w, "failed")): c.loads_failed,
+            (M_LOADS, (w, "short")): c.loads_short,
             (M_STORES, (w, "ok")): c.stores_ok, (M_STORES, (w, "failed")): c.stores_failed,
             (M_DEATHS, (w,)): c.worker_deaths, (M_RESTARTS, (w,)): c.restarts,
             (M_IN_FLIGHT, (w,)): jobs_in_flight,
@@ -114,7 +117,8 @@ class TierMetrics:
     def counters(self, jobs_in_flight: int) -> dict:
         """Jobs and worker restarts seen by this tier (also what ``p2pworker inspect`` shows worker-side)."""
         c = self.counts
-        return {"loads_ok": c.loads_ok, "loads_failed": c.loads_failed, "stores_ok": c.stores_ok,
+        return {"loads_ok": c.loads_ok, "loads_failed": c.loads_failed, "loads_short": c.loads_short,
+                "stores_ok": c.stores_ok,
                 "stores_failed": c.stores_failed, "worker_deaths": c.worker_deaths,
                 "jobs_in_flight": jobs_in_flight, "restarts": c.restarts, "pulls_one_trip": c.pulls_one_trip,
                 "pulls_ask_first": c.pulls_ask_first, "pull_keys_landed": c.pull_keys_landed,

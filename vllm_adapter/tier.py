@@ -140,7 +140,8 @@ class P2PWorkerTier(SecondaryTierManager):
         self.outbox = Outbox(self.supervisor, self._refuse)
         self.hints = SourceHints()  # which keys a source lately lacked: the pull path a request takes
         self.jobs = JobBook(self.worker_name, self.outbox, self.metrics.counts, hints=self.hints)
-        self.lookups = AskedLookups(self.outbox, self.hints, self.metrics.counts, one_trip=s.pull_path == "one_trip")
+        self.lookups = AskedLookups(self.outbox, self.hints, self.metrics.counts,
+                                    one_trip=_one_trip(s.pull_path, offloading_spec, self.worker_name))
         self.peer_lookups = PeerLookups(self.jobs, self.outbox)
         self.finished = FinishedReplay(self.worker_name, self.supervisor, self.outbox)
         self._opened_ahead: dict[str, float] = {}  # peer address -> when a request last asked to open its session
@@ -292,6 +293,8 @@ class P2PWorkerTier(SecondaryTierManager):
             return LookupResult.MISS
         if not role.kind.asks:
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
+        if self.lookups.path(req_context, role.address, key) is PullPath.ONE_TRIP:
+            return LookupResult.HIT  # promised: the load asks the source, and what it lacks fails (then MISS)
         return self.lookups.lookup(role.address, role.kv_request_id, key)
 
     def submit_store(self, job: TransferJob) -> None:
@@ -303,8 +306,8 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def submit_load(self, job: TransferJob) -> None:
         role = role_of(job.req_context)
-        # A one-trip request's keys were promised without asking: the load asks the peer (LoadJob.ask)
-        ask = role.kind.asks and self.lookups.path(role.kv_request_id) is PullPath.ONE_TRIP
+        # promised without asking (one trip): the load asks (an asking Fetch also offers what was parked at once)
+        ask = role.kind.asks and job.req_context.get_state(PullPath) is not PullPath.ASK_FIRST
         self.jobs.submit(JobKind.LOAD, job, role.kv_request_id, "not a PD consumer, or worker not ready",
                          address=role.address, send=role.kind.loads, ask=ask)
 
@@ -324,7 +327,7 @@ class P2PWorkerTier(SecondaryTierManager):
             # Loaded all, some or none (it held a shared prefix; it recomputed; it was aborted): the peer releases
             # what it parked for us and we did not fetch now, not park_timeout_s after its own request's end.
             self.outbox.send(api.ConsumerDone(role.address, role.kv_request_id))
-            self.jobs.failed_req_ids.discard(role.kv_request_id)
+            self.jobs.request_ended(role.kv_request_id)
 
     def serve_external_requests(self, parent) -> None:
         """Answer peers' lookups: pin our hits through vLLM and park them under the asker's request id."""
@@ -380,10 +383,7 @@ class P2PWorkerTier(SecondaryTierManager):
         """Jobs and worker restarts seen by this tier (also what ``p2pworker inspect`` shows worker-side)."""
         return self.metrics.counters(len(self.jobs.open))
 
-    @property
-    def restarts(self) -> int:
-        """Attempts to start a new worker after one died (each counts, failed or not)."""
-        return self.metrics.counts.restarts
+    restarts = property(lambda self: self.metrics.counts.restarts)  # attempts to start a worker after one died
 
     @classmethod
     def config_info_keys(cls, tier_config: dict) -> tuple[str, ...]:
@@ -431,6 +431,22 @@ def _waker(engine: EngineCore | None, poll_s: float, last_call: Callable[[], flo
         log.info("P2PWorkerTier %s: %s", name, f"vLLM's tier-poll thread serves peers every {poll_s:g} s"
                  if poll_s > 0 else "an idle engine is woken for peers' pulls (no tier-poll thread in this vLLM)")
     return waker
+
+
+def _one_trip(pull_path: str, spec: Any, name: str) -> bool:
+    """Whether symmetric pulls may take one round trip.  Not for a model with sliding-window (or several) KV groups:
+    vLLM looks such a group up from the end of the prompt, so after a short one-trip load the window below the
+    loaded prefix was never promoted, every key of it answers MISS, and the whole prompt is recomputed; asking first
+    finds that window.  vLLM 0.33 says which groups slide (sliding_window_size_in_chunks); 0.32 does not, so there any
+    second group counts as one."""
+    if pull_path != "one_trip":
+        return False
+    groups = tuple(getattr(spec.config, "groups", ()) or ())
+    windowed = len(groups) > 1 or any(getattr(g, "sliding_window_size_in_chunks", None) for g in groups)
+    if windowed:
+        log.info("P2PWorkerTier %s: the model has sliding-window or several KV groups: symmetric pulls ask the "
+                 "source first (pull_path one_trip applies to full-attention models)", name)
+    return not windowed
 
 
 def fingerprint_identity(spec: Any) -> dict:

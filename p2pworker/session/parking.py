@@ -68,7 +68,8 @@ class Ask(enum.Enum):
 
     NONE = "none"  # a plain Fetch: the offers end with the request's end, or when every key was offered
     ASKED = "asked"  # our engine was asked (ServeLookup); its hits arrive as store jobs and are offered
-    ANSWERED = "answered"  # it answered: every hit it had is parked, so the offers end now
+    ANSWERED = "answered"  # it answered (or a reset ended the ask): every hit it had is parked, so the offers end now
+    REFUSED = "refused"  # too many lookups in flight here: the engine was not asked, the offers end now
 
 
 class LeaseEvent(enum.Enum):
@@ -427,6 +428,8 @@ class ParkingLot:
                         self._finish(tomb)
             else:
                 self._finish(p)
+                if p.lease.ask is Ask.ASKED:  # the engine pins nothing more for it: its offers end now too
+                    p.lease.ask = Ask.ANSWERED
                 if p.lease.owner is not None:
                     owners.append(p)
         return owners

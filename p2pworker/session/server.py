@@ -191,10 +191,12 @@ class ServerRole(SessionCore):
             return
         if not lease.pending or len(self._serving) + len(self._asks) >= self.ctx.config.max_inbound_lookups:
             # all offered already, or too many lookups in flight: the engine is not asked, the offers end now
-            lease.ask = Ask.ANSWERED
+            lease.ask = Ask.ANSWERED if not lease.pending else Ask.REFUSED
             self._offer(p)
             return
         ask_id = -(lease.round + 1)  # rounds are >= 0 and unique per consumer worker; peers' lookup ids are >= 0
+        if ask_id in self._asks:
+            raise RemoteProtocolError(f"fetch {p.request_id!r}: round {lease.round} asked again while it is open")
         keys = tuple(lease.pending)
         self._asks[ask_id] = AskedRound(p, lease, keys)
         self.ctx.reporter.emit(ServeLookup(self.peer_id, ask_id, p.request_id, keys))
@@ -224,7 +226,7 @@ class ServerRole(SessionCore):
             lease.offered.update(zip(keys, rows))
         # While Fetch parts are still coming, "nothing pending" or "request finished" says nothing about their keys;
         # nor does an earlier end of the request while our engine is still asked for this round's.
-        ended = lease.ask is Ask.ANSWERED or (lease.ask is Ask.NONE and p.finished)
+        ended = lease.ask in (Ask.ANSWERED, Ask.REFUSED) or (lease.ask is Ask.NONE and p.finished)
         final = (not lease.more and (not lease.pending or ended)) or now >= lease.offer_until
         if not keys and not final:
             return
@@ -239,6 +241,7 @@ class ServerRole(SessionCore):
         reason = ""
         if lease.pending:
             reason = ("the producer's engine does not hold them" if lease.ask is Ask.ANSWERED
+                      else "too many lookups in flight at the producer" if lease.ask is Ask.REFUSED
                       else "request finished before every key was stored" if p.finished and lease.ask is Ask.NONE
                       else "fetch timed out on the producer")
             log.info("fetch %r round %d from %s: %d of %d keys offered: %s", p.request_id, lease.round,
@@ -246,6 +249,11 @@ class ServerRole(SessionCore):
             lease.pending.clear()
         lease.phase = move(LEASE_MOVES, lease.phase, LeaseEvent.FINAL_OFFER)
         lease.more = False  # parts still to come are ignored: the consumer has its final offer
+        asked = self._asks.get(-(lease.round + 1))
+        if asked is not None and asked.lease is lease:
+            # The offers end before the engine answered (offer_until, a reset): what it pins for this round later
+            # is never offered, so a tombstone (as the consumer's Done leaves) ends those stores at once.
+            self.ctx.lot.consumer_done(p.request_id)
         return reason
 
     # ------------------------------------------------------------ the consumer's end of it
@@ -273,9 +281,15 @@ class ServerRole(SessionCore):
         self._inbound.clear()
         self._serving.clear()
         self._asks.clear()  # a late answer finds nothing (answer_lookup); the engine's stores end with the parcel
+        lot = self.ctx.lot
         for p in list(self._parcels):
             if p.lease is not None and p.lease.owner is self:
-                self.ctx.lot.abandon(p, f"consumer {self.peer_id} lost: {reason}")
+                asking = p.lease.ask is Ask.ASKED
+                lot.abandon(p, f"consumer {self.peer_id} lost: {reason}")
+                if asking and p.lease is None:
+                    # Nothing was offered, and the engine may still pin and park for this round: leave a tombstone
+                    # (as the consumer's Done does) so those late stores end at once instead of at park_timeout_s.
+                    lot.consumer_done(p.request_id)
         self._parcels.clear()
 
     # ------------------------------------------------------------ time

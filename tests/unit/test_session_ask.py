@@ -120,3 +120,37 @@ def test_a_plain_fetch_never_asks_and_an_ask_fetch_round_trips_on_the_wire():
     assert lease is not None and lease.ask is Ask.NONE
     fetch = m.Fetch("r", 1, [b"k"], 1000, ask=True)
     assert m.decode(m.encode(fetch)) == fetch
+
+
+def test_a_session_closed_mid_ask_leaves_a_tombstone_so_the_engines_late_stores_end_at_once():
+    """The link dies after the engine was asked and before it answered: nothing was offered, so nobody can read what
+    it pins now; those stores end at once (a success: nobody asked for them), not park_timeout_s later."""
+    p = Pair().handshake()
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3], ask=True)
+    p.deliver()
+    [ask] = asks(p.b)
+    p.b.close("link lost")
+    serve(p.b, ask, held=2)  # the engine answers late: its store joins nothing
+    assert {j: e.success for j, e in jobs(p.b.events()).items()} == {1: True}
+    assert p.b.reporter.open_jobs == 0
+
+
+def test_a_reset_during_an_ask_ends_the_rounds_offers_at_once():
+    p = Pair().handshake()
+    p.a.load(100, "req", KEYS, [0, 1, 2, 3], ask=True)
+    p.deliver()
+    [ask] = asks(p.b)
+    p.b.reset("vLLM reset its cache", loads=False)
+    p.deliver()
+    a = jobs(p.a.events())[100]
+    assert a.success is False and a.keys == () and "does not hold" in a.reason
+    serve(p.b, ask, held=2)  # answered after the reset: pinned, never offered, ended with the request
+    p.deliver()
+    assert {j: e.success for j, e in jobs(p.b.events()).items()} == {1: True} and p.b.reporter.open_jobs == 0
+
+
+def test_a_round_asked_twice_at_once_is_a_protocol_error():
+    p = Pair().handshake()
+    p.b.receive(m.encode(m.Fetch("r1", 5, [b"a"], 30_000, ask=True)))
+    p.b.receive(m.encode(m.Fetch("r2", 5, [b"b"], 30_000, ask=True)))  # another request, the same round
+    assert p.sb.state.name == "CLOSED" and "asked again" in p.sb.close_reason

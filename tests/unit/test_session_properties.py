@@ -287,6 +287,7 @@ class Model:
                 self.serve_ask(ask, 0)
             self.check()
         assert p.a.reporter.open_jobs == 0 and p.b.reporter.open_jobs == 0
+        assert not p.b.session.asking(), "an asking round outlived the run"
         assert all(s.counters.unsettled_reads for s, _ in p.a.aborts), "an abort without a reason"
         assert set(self.reported) == self.opened, f"never reported: {self.opened - set(self.reported)}"
         assert p.a.reporter.open_lookups == 0

@@ -464,16 +464,17 @@ def ask_first(box: Outbox) -> AskedLookups:
     return AskedLookups(box, SourceHints(), Counts(), one_trip=False)
 
 
-def test_one_trip_answers_hit_at_once_and_asks_nothing_until_the_load():
+def test_a_requests_path_is_chosen_once_and_kept_in_its_own_context():
     box, _, _ = outbox()
     counts = Counts()
     asked = AskedLookups(box, SourceHints(), counts)
-    assert [asked.lookup("h:1", "kv-a", key(i)) for i in range(3)] == [LookupResult.HIT] * 3
+    a, b = ctx("a"), ctx("b")
+    assert [asked.path(a, "h:1", key(i)) for i in range(3)] == [PullPath.ONE_TRIP] * 3
+    assert a.get_state(PullPath) is PullPath.ONE_TRIP and b.get_state(PullPath) is None  # per request, not per id
     asked.send_asks()
-    assert box.commands == [] and not asked.pending and asked.path("kv-a") is PullPath.ONE_TRIP
+    assert box.commands == [] and not asked.pending  # a one-trip request asks nothing until its load
     assert (counts.pulls_one_trip, counts.pulls_ask_first) == (1, 0)  # per request, not per key
-    asked.forget("kv-a")
-    assert asked.path("kv-a") is None
+    assert ask_first(box).path(b, "h:1", key(0)) is PullPath.ASK_FIRST  # pull_path = "ask_first"
 
 
 def test_a_first_key_the_source_lately_lacked_takes_the_two_step_path_until_the_hint_ends():
@@ -483,9 +484,12 @@ def test_a_first_key_the_source_lately_lacked_takes_the_two_step_path_until_the_
     counts = Counts()
     asked = AskedLookups(box, hints, counts)
     hints.lacked("h:1", [key(1)])
+    a = ctx("a")
+    assert asked.path(a, "h:1", key(1)) is PullPath.ASK_FIRST
+    assert asked.path(a, "h:1", key(2)) is PullPath.ASK_FIRST  # the whole request keeps its path
+    assert asked.path(ctx("b"), "h:2", key(1)) is PullPath.ONE_TRIP  # another source: nothing known
     assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.RETRY  # asked first
-    assert asked.lookup("h:1", "kv-a", key(2)) is LookupResult.RETRY  # the whole request keeps its path
-    assert asked.lookup("h:2", "kv-b", key(1)) is LookupResult.HIT  # another source: nothing known
+    assert asked.lookup("h:1", "kv-a", key(2)) is LookupResult.RETRY
     asked.send_asks()
     (cmd,) = box.commands
     asked.on_result(api.LookupResult(cmd.lookup_id, [True, False]))  # the source holds key 1 now
@@ -516,8 +520,24 @@ def test_a_one_trip_load_that_falls_short_reports_what_landed_counts_and_hints_t
     (res,) = jobs.take_results()
     assert res.success is False and list(res.successful_keys) == [key(1)]  # vLLM keeps key 1, recomputes from 2
     assert "kv-a" in jobs.failed_req_ids  # the request's later lookups MISS
-    assert (counts.pull_keys_landed, counts.pull_keys_missed, counts.loads_failed) == (1, 2, 1)
+    assert (counts.pull_keys_landed, counts.pull_keys_missed, counts.loads_short, counts.loads_failed) == (1, 2, 1, 0)
     assert hints.path("h:1", key(2)) is PullPath.ASK_FIRST and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+
+
+def test_a_load_that_fails_after_its_request_ended_leaves_no_failed_id_behind():
+    """vLLM ends a request without waiting for its promotions (an abort mid-pull): the load's later failure must not
+    make a new request under the same kv_request_id MISS."""
+    box, _, _ = outbox()
+    jobs = JobBook("w", box, Counts())
+    job = TransferJob(job_id=8, keys=[key(1)], chunk_ids=np.array([4]), is_promotion=True, req_context=ctx())
+    jobs.submit(JobKind.LOAD, job, "kv-a", "refused", address="h:1", ask=True)
+    jobs.request_ended("kv-a")
+    jobs.report(api.JobFinished(8, "load", False, [], 0, 0.01, "the producer's engine does not hold them"))
+    assert jobs.failed_req_ids == set()
+    job2 = TransferJob(job_id=9, keys=[key(1)], chunk_ids=np.array([4]), is_promotion=True, req_context=ctx())
+    jobs.submit(JobKind.LOAD, job2, "kv-a", "refused", address="h:1", ask=True)  # the id again, a live request
+    jobs.report(api.JobFinished(9, "load", False, [], 0, 0.01, "the producer's engine does not hold them"))
+    assert jobs.failed_req_ids == {"kv-a"}
 
 
 def one_sent_ask() -> tuple[AskedLookups, Outbox, api.LookupKeys]:
@@ -675,6 +695,18 @@ def test_a_peer_lookup_pins_our_hits_parks_them_and_answers():
     assert box.commands == [api.StoreJob(101, "kv-9", [k1, k3], [0, 1]), api.RequestFinished("kv-9"),
                             api.AnswerLookup("peer-a", 7, [True, False, True])]
     assert list(jobs.open) == [101] and jobs.open[101].kv_request_id == "kv-9" and not rooms.pending
+
+
+def test_a_one_trip_loads_ask_pins_only_the_prefix_it_can_use():
+    """An asking round's lookup (a negative id: protocol Fetch.ask) stops at the first key vLLM does not hold: its
+    request uses the prefix only, so nothing past the gap is pinned; the answer still has a flag per key."""
+    rooms, jobs, box = peer_rooms()
+    k1, k2, k3 = key(1), key(2), key(3)
+    rooms.queue.append(api.PeerLookup("peer-a", -8, "kv-9", [k1, k2, k3]))
+    parent = FakeParent({k1, k3})
+    rooms.serve(parent, stopping=False)
+    assert box.commands == [api.StoreJob(101, "kv-9", [k1], [0]), api.RequestFinished("kv-9"),
+                            api.AnswerLookup("peer-a", -8, [True, False, False])]
 
 
 def test_a_peer_lookup_without_hits_answers_all_false_and_pins_nothing():

@@ -77,7 +77,7 @@ def test_a_symmetric_pull_of_65536_keys(free_port, path):
             assert reader.lookup(ctx, ids) == [LookupResult.RETRY] * n  # asked in one batched lookup at the next poll
             run_until([reader, owner], lambda: reader.lookup(ctx, [n - 1]) != [LookupResult.RETRY], timeout_s=120)
         assert reader.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * n  # the owner holds every one
-        assert reader.tier.lookups.path("sym-long") is path
+        assert ctx.get_state(PullPath) is path
         reader.step(["sym"])
         run_until([reader, owner], lambda: reader.idle() and owner.idle(), timeout_s=180)
         assert reader.lookup(ctx, ids) == [LookupResult.HIT] * n

@@ -76,9 +76,10 @@ def test_pd_exchange_lands_byte_exact_and_reports_every_job_once(pd):
     assert st_p["stores_ok"] >= 1 and st_p["stores_failed"] == 0 and st_p["jobs_in_flight"] == 0
     # the same counts reach vLLM through its metric hook (the manager's get_stats, summed as vLLM's frontend does)
     w = decode.tier.worker_name  # the worker label: the `engine` label of that worker's own series
-    assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0}
+    assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0, (w, "short"): 0}
     assert decode.metric(M_DEATHS) == {(w,): 0} and decode.metric(M_IN_FLIGHT) == {(w,): 0}
-    assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0}, "an unchanged count was reported twice"
+    assert decode.metric(M_LOADS) == {(w, "ok"): 1, (w, "failed"): 0, (w, "short"): 0}, \
+        "an unchanged count was reported twice"
     assert set(TIER_METRICS) <= set(decode.metric_defs), "the spec does not declare the tier's metrics"
 
 
