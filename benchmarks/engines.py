@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +86,38 @@ def autogroup() -> bool | None:
             return f.read().strip() == "1"
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------------------------------------------- logs
+SHUTDOWN_MARK = "[shutdown]"  # vLLM 0.32 prefixes every line of its stop with it
+# vLLM 0.32's AsyncLLM.shutdown tears the engine core client down before it cancels its output_handler task; the
+# client's output-queue task, cancelled, hands that handler an EngineDeadError, which it logs at ERROR with a
+# traceback whenever the event loop runs it before the cancel lands (vllm-project/vllm#48745, a race independent of
+# any KV connector: it is seen on engines without a secondary tier too; benchmarks/README.md, "Traffic").
+VLLM_SHUTDOWN_RACE = "async_llm.py:906]"
+
+
+@dataclass(frozen=True)
+class LogErrors:
+    errors: list[str]  # ERROR or Traceback lines
+    shutdown_race: list[str]  # lines of vLLM's own shutdown race only (VLLM_SHUTDOWN_RACE), logged during the stop
+
+
+def log_errors(path: str, offset: int = 0, limit: int = 20) -> LogErrors:
+    """ERROR and Traceback lines of an engine's log from ``offset`` on, with the lines of vLLM's shutdown race apart
+    when they are all that is logged after its stop began and they end in EngineDeadError."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return LogErrors([], [])
+    stop = next((i for i, ln in enumerate(lines) if SHUTDOWN_MARK in ln), len(lines))
+    bad = [(i, ln[:300]) for i, ln in enumerate(lines) if "ERROR" in ln or "Traceback" in ln]
+    race = [ln for i, ln in bad if i > stop and VLLM_SHUTDOWN_RACE in ln]
+    if not race or not any("EngineDeadError" in ln for ln in race):
+        race = []
+    return LogErrors([ln for _, ln in bad if ln not in race][:limit], race[:limit])
 
 
 # ---------------------------------------------------------------------------------------------------- configs

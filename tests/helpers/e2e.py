@@ -132,6 +132,28 @@ class PD:
                 pids.append(int(d.split("/")[2]))
         return pids
 
+    def log_path(self, role: str) -> str:
+        return os.path.join(self.role_dirs.get(role, self.run_dir), f"{role}.log")
+
+    def log_offsets(self) -> dict[str, int]:
+        """How far each engine's log is written now (where a later :meth:`error_lines` starts reading)."""
+        return {role: os.path.getsize(self.log_path(role)) for role in ("prefill", "decode")
+                if os.path.exists(self.log_path(role))}
+
+    def error_lines(self, offsets: dict[str, int]) -> list[str]:
+        """Lines the engines logged since ``offsets`` that say ERROR or Traceback: a clean stop (and a run without
+        faults) logs none.  vLLM 0.32's own shutdown race (benchmarks/engines.py ``VLLM_SHUTDOWN_RACE``) is kept
+        apart, in the report under ``vllm_shutdown_race``."""
+        from benchmarks.engines import log_errors
+
+        out = []
+        for role, offset in offsets.items():
+            found = log_errors(self.log_path(role), offset)
+            out += [f"{role}: {ln}" for ln in found.errors]
+            if found.shutdown_race:
+                self.report.setdefault("vllm_shutdown_race", {})[role] = found.shutdown_race[:2]
+        return out
+
     def leftovers(self) -> list[str]:
         left = []
         for role in ("prefill", "decode"):
@@ -163,12 +185,15 @@ def running(pair: PD, on_stop=None, starts=(("start",),), before_stop=None):
             before_stop(pair)
     finally:
         rpc = [d for role in ("prefill", "decode") if (d := pair.rpc_dir(role))]
+        offsets = pair.log_offsets()
         p = pair.script("stop", timeout_s=120)
         if on_stop is not None:
             on_stop(pair)
         left = pair.leftovers() + [f"{d} (vLLM's ipc sockets)" for d in rpc if os.path.exists(d)]
         assert p.returncode == 0 and not left, f"pd.sh stop rc={p.returncode}, leftovers {left}:\n{p.stderr}"
         assert "killing" not in p.stderr, f"an engine did not stop within the bound:\n{p.stderr}"
+        logged = pair.error_lines(offsets)
+        assert not logged, f"the stop logged errors: {logged}"
 
 
 def first_request_over_p2p(pair: PD) -> float:
