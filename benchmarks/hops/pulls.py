@@ -30,8 +30,9 @@ Rows of the two workers (``worker_*source*.txt``, ``worker_*puller*.txt``, from 
 A pull in one round trip (no LookupKeys: its lookups answered at once, the load asked the source) chains
 ``ONE_TRIP``: ``intake`` (request sent -> the puller's LoadJob taken: HTTP, tokenizing, the first scheduler pass
 that promised and submitted), ``ask`` (-> the source worker decodes the asking Fetch), ``serve`` (-> the source
-engine's AnswerLookup taken: it pinned and parked its hits; an idle 0.32 engine is woken for it), ``read`` (-> the
-JobFinished put: the final offer and the reads settled), then ``finish`` as above.
+engine's StoreJob taken: it pinned and parked its hits, which are offered at once; its AnswerLookup when it held
+nothing; an idle 0.32 engine is woken for it), ``read`` (-> that load's JobFinished put: the reads settled), then
+``finish`` as above.
 
 Then the median of each hop and, per hop, how much of its wall time the worker threads spent on a CPU (the trace
 rows carry each thread's CPU time): a hop of tens of ms with well under 1 ms of CPU was waiting for a core.
@@ -140,11 +141,13 @@ def one_trip(rows: list[Row], times: list[int], rid: str, sent: int) -> Chain | 
     """The one-trip pull's rows: LoadJob, the asking Fetch at the source, its engine's AnswerLookup, the JobFinished."""
     load_job = first(rows, times, "P", "cmd", "LoadJob", rid, sent)
     fetch = load_job and first(rows, times, "S", "dec", "Fetch", rid, load_job.ns)
-    answer = fetch and first(rows, times, "S", "cmd", "AnswerLookup", None, fetch.ns)
-    loaded = answer and first(rows, times, "P", "evt_put", "load", None, answer.ns)
+    # the source engine's pin: its store job for this request (offered at once), or its answer when it held nothing
+    pinned = fetch and (first(rows, times, "S", "cmd", "StoreJob", rid, fetch.ns)
+                        or first(rows, times, "S", "cmd", "AnswerLookup", None, fetch.ns))
+    loaded = pinned and first(rows, times, "P", "evt_put", "load", load_job.info[1], pinned.ns)
     if not loaded:
         return None
-    return ONE_TRIP, "SSP", (sent, load_job.ns, fetch.ns, answer.ns, loaded.ns), load_job, loaded
+    return ONE_TRIP, "SSP", (sent, load_job.ns, fetch.ns, pinned.ns, loaded.ns), load_job, loaded
 
 
 def pulls(trace_dir: str) -> list[dict]:

@@ -64,8 +64,8 @@ def test_a_log_without_arm_and_tier_columns_reads_as_pulls_of_ours(tmp_path):
 
 
 def test_a_one_trip_pull_chains_from_its_load_to_the_sources_answer_and_adds_up_to_its_ttft(tmp_path):
-    source = [(14, "dec Fetch " + RID), (17, "cmd AnswerLookup -8")]
-    puller = [(12, "cmd LoadJob 3 " + RID), (21, "evt_put load 3")]
+    source = [(14, "dec Fetch " + RID), (17, "cmd StoreJob 5 " + RID), (18, "cmd AnswerLookup -8")]
+    puller = [(12, "cmd LoadJob 3 " + RID), (19, "evt_put load 2"), (21, "evt_put load 3")]  # 2: another job
     for name, rs in {"worker_p2pw-source.txt": source, "worker_p2pw-puller.txt": puller}.items():
         (tmp_path / name).write_text("".join(f"{t * MS} {r} cpu={i}\n" for i, (t, r) in enumerate(rs)))
     (tmp_path / "ttft.txt").write_text(f"{10 * MS} {40 * MS} {RID} pull_idle ours\n")
