@@ -115,15 +115,18 @@ class JobBook:
                 self._open_loads[rid] = left
             else:
                 self._open_loads.pop(rid, None)
+            # a one-trip load the source's engine answered short (not one that timed out, was refused, or lost its
+            # worker or its peer: those stay failures, and say nothing of what the source holds)
+            short = job.ask and not success and api.NOT_HELD in (reason or "")
             if job.ask:
-                self._one_trip_done(job, landed, success, reason)
+                self._one_trip_done(job, landed, success, short, reason)
             if not success and rid not in self._ended:
                 self.failed_req_ids.add(rid)  # later lookups MISS: vLLM recomputes, no re-promotion loop
             if left <= 0:
                 self._ended.discard(rid)
             if success:
                 self._counts.loads_ok += 1
-            elif job.ask:  # a one-trip load that falls short is the expected way to learn what a peer lacks
+            elif short:  # the expected way a one-trip load learns what its peer lacks
                 self._counts.loads_short += 1
             else:
                 self._counts.loads_failed += 1
@@ -142,7 +145,7 @@ class JobBook:
         if self._open_loads.get(rid):
             self._ended.add(rid)
 
-    def _one_trip_done(self, job: OpenJob, landed: list[bytes], success: bool, reason: str) -> None:
+    def _one_trip_done(self, job: OpenJob, landed: list[bytes], success: bool, short: bool, reason: str) -> None:
         """A one-trip load ended: count what its promise brought, and remember at its peer what did and did not come
         (the next request that starts with a missing key asks first: vllm_adapter/hints.py)."""
         self._counts.pull_keys_landed += len(landed)
@@ -150,8 +153,9 @@ class JobBook:
         if success:
             return
         self._counts.pull_keys_missed += len(job.keys) - len(landed)
-        got = set(landed)
-        self._hints.lacked(job.address, [k for k in job.keys if k not in got])
+        if short:  # only the source's own answer says what it lacks
+            got = set(landed)
+            self._hints.lacked(job.address, [k for k in job.keys if k not in got])
         log.info("pulled %d of %d keys of %s from %s; vLLM recomputes from the first key not loaded (%s)",
                  len(landed), len(job.keys), job.kv_request_id, job.address, reason or "worker gone")
 

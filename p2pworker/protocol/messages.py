@@ -32,6 +32,9 @@ PROTOCOL_VERSION = 8
 # last), Offers in pieces (``final`` on the last), Release/LookupResp parts (``more``).  The receiver puts the
 # parts together (a round or a lookup is still one job, reported once), up to MAX_JOB_KEYS keys in all.
 MAX_KEYS = MAX_MSG_KEYS
+# The final Offer's reason when an asking round ends at its engine's answer: the keys not offered are not held there.
+# A consumer's load that fails with it fell short (the source lacks the rest), not failed (vllm_adapter/jobs.py).
+NOT_HELD = "the producer's engine does not hold them"
 MAX_PARTS = MAX_JOB_KEYS // MAX_KEYS
 MAX_ID_CHARS = 256
 MAX_LEASE_MS = 3_600_000

@@ -240,7 +240,7 @@ class ServerRole(SessionCore):
         """The final Offer goes out now: the lease holds what it offered.  Returns why keys were not offered."""
         reason = ""
         if lease.pending:
-            reason = ("the producer's engine does not hold them" if lease.ask is Ask.ANSWERED
+            reason = (m.NOT_HELD if lease.ask is Ask.ANSWERED
                       else "too many lookups in flight at the producer" if lease.ask is Ask.REFUSED
                       else "request finished before every key was stored" if p.finished and lease.ask is Ask.NONE
                       else "fetch timed out on the producer")

@@ -524,6 +524,19 @@ def test_a_one_trip_load_that_falls_short_reports_what_landed_counts_and_hints_t
     assert hints.path("h:1", key(2)) is PullPath.ASK_FIRST and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
 
 
+def test_a_one_trip_load_that_fails_for_another_reason_is_a_failure_and_hints_nothing():
+    """Timed out, refused, its peer or worker lost: not the source's answer, so nothing is learnt of what it holds."""
+    box, _, _ = outbox()
+    counts, hints = Counts(), SourceHints()
+    jobs = JobBook("w", box, counts, hints=hints)
+    job = TransferJob(job_id=7, keys=[key(1), key(2)], chunk_ids=np.array([4, 5]), is_promotion=True,
+                      req_context=ctx())
+    jobs.submit(JobKind.LOAD, job, "kv-a", "refused", address="h:1", ask=True)
+    jobs.report(api.JobFinished(7, "load", False, [], 0, 0.01, "fetch timed out on the producer"))
+    assert (counts.loads_short, counts.loads_failed, counts.pull_keys_missed) == (0, 1, 2)
+    assert len(hints) == 0 and "kv-a" in jobs.failed_req_ids
+
+
 def test_a_load_that_fails_after_its_request_ended_leaves_no_failed_id_behind():
     """vLLM ends a request without waiting for its promotions (an abort mid-pull): the load's later failure must not
     make a new request under the same kv_request_id MISS."""

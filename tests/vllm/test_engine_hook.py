@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass, field
 
 import pytest
 from vllm.v1.engine import EngineCoreRequestType
@@ -55,24 +56,36 @@ class FakeEngineCore:
 
 def start_pull(puller: Engine, owner: Engine, kv_request_id: str, ids: list[int], req_id: str = "pull") -> ReqContext:
     """A request on ``puller`` whose prefix lives on ``owner`` (llm-d's remote_kv_source), in one round trip: its
-    lookups answer at once (promotions), and the step submits the load, which asks the source."""
+    lookups answer at once (promotions); the puller's next step (``loaded``, run from the source's idle loop, so the
+    source is blocked on its queue by then) submits the load, which asks the source."""
     host, port = owner.tier.worker_address.split(":")
     ctx = ReqContext(req_id=req_id, kv_transfer_params={
         "remote_kv_source": {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": int(port)}})
     with puller.lock:
         puller.mgr.on_new_request(ctx)
     assert puller.lookup(ctx, ids) == [LookupResult.HIT_PENDING] * len(ids)
-    puller.step([req_id])
     return ctx
 
 
-def loaded(puller: Engine, ctx: ReqContext, ids: list[int], t0: float, at: list[float]) -> bool:
-    """Step the puller; True (and the time in ``at``) once its load ended and every key is in its CPU tier."""
-    puller.step()
-    if puller.idle() and puller.lookup(ctx, ids) == [LookupResult.HIT] * len(ids):
-        at.append(time.monotonic() - t0)
-        return True
-    return False
+@dataclass
+class Pull:
+    """A one-trip pull the puller drives from the source's idle loop: its first step submits the load."""
+
+    puller: Engine
+    ctx: ReqContext
+    ids: list[int]
+    t0: float = field(default_factory=time.monotonic)
+    submitted: bool = False
+    took_s: float | None = None  # request to every key in the puller's CPU tier
+
+    def loaded(self) -> bool:
+        """Step the puller; True (and ``took_s``) once its load ended and every key is in its CPU tier."""
+        self.puller.step([] if self.submitted else [self.ctx.req_id])
+        self.submitted = True
+        if self.puller.idle() and self.puller.lookup(self.ctx, self.ids) == [LookupResult.HIT] * len(self.ids):
+            self.took_s = time.monotonic() - self.t0
+            return True
+        return False
 
 
 @pytest.fixture
@@ -106,12 +119,11 @@ def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller
     run_until([owner], owner.idle)
     time.sleep(2.0)  # idle: heartbeats arrive, unread
     assert source.input_queue.empty() and owner.tier.waker.wakes == 0, "an idle engine was woken for nothing"
-    t0 = time.monotonic()
-    ctx = start_pull(puller, owner, "pull-1", ids)
-    at: list[float] = []
+    pull = Pull(puller, start_pull(puller, owner, "pull-1", ids), ids)
+    ctx = pull.ctx
     # the load's ask wakes the source, which pins and parks its hits; its worker offers them in the same exchange
-    source.idle_loop(lambda: loaded(puller, ctx, ids, t0, at), timeout_s=4.0)
-    assert at[0] < 1.0, f"the pull from an idle source took {at[0]:.2f} s"
+    source.idle_loop(pull.loaded, timeout_s=4.0)
+    assert pull.took_s < 1.0, f"the pull from an idle source took {pull.took_s:.2f} s"
     # the source engine reports its store job once woken again by the consumer's Release
     source.idle_loop(lambda: puller.step() or owner.idle(), timeout_s=4.0)
     puller.check_loaded(ctx, ids)
@@ -130,10 +142,9 @@ def test_a_source_that_just_went_idle_is_woken_at_once_not_after_idle_s(source, 
     owner.store("own", ids)
     # vLLM 0.32 steps while has_work() (the tier's has_pending_work) says so; its last "no" is where it blocks
     run_until([owner], lambda: owner.idle() and not owner.mgr.has_pending_work())
-    t0 = time.monotonic()
-    ctx = start_pull(puller, owner, "pull-2", ids)
-    at: list[float] = []
-    source.idle_loop(lambda: loaded(puller, ctx, ids, t0, at), timeout_s=10.0)
+    pull = Pull(puller, start_pull(puller, owner, "pull-2", ids), ids)
+    ctx = pull.ctx
+    source.idle_loop(pull.loaded, timeout_s=10.0)
     source.idle_loop(lambda: puller.step() or owner.idle(), timeout_s=10.0)
     puller.check_loaded(ctx, ids)
     assert owner.tier.waker.wakes >= 1
