@@ -120,6 +120,15 @@ def log_errors(path: str, offset: int = 0, limit: int = 20) -> LogErrors:
     return LogErrors([ln for _, ln in bad if ln not in race][:limit], race[:limit])
 
 
+def save_plot(fig, path: str) -> None:
+    """Lay out, write (110 dpi) and close a matplotlib figure: every benchmark's plot the same way."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------------- configs
 def ours_tier(port: int, worker_config: str = "prefill", host: str = "127.0.0.1") -> dict:
     """The P2PWorkerTier entry, with configs/<worker_config>.toml (pd.sh's)."""

@@ -428,9 +428,7 @@ def plot(summary: dict, path: str, title: str) -> str | None:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    engines.save_plot(fig, path)
     return None
 
 

@@ -263,9 +263,7 @@ def plot(report: dict, path: str) -> str | None:
     ax.set_title(f"multi-turn chat, {cfg['shape']}: {cfg['conversations']} conversations x {cfg['turns']} turns")
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    engines.save_plot(fig, path)
     return None
 
 

@@ -13,7 +13,8 @@ from typing import Union
 import msgspec
 
 from p2pworker.limits import MAX_JOB_KEYS, RING_MAX_MESSAGE_BYTES  # noqa: F401  (the adapter checks against them)
-from p2pworker.protocol.messages import NOT_HELD  # noqa: F401  (a load that fell short says it: vllm_adapter/jobs.py)
+# a load that fell short says NOT_HELD (vllm_adapter/jobs.py); a PeerLookup whose id is_ask is a one-trip load's
+from p2pworker.protocol.messages import NOT_HELD, is_ask  # noqa: F401
 from p2pworker.shm.region import RegionHandle
 
 Scalar = Union[str, int, float, bool, None]

@@ -161,8 +161,8 @@ class PeerLookups:
             for k in ev.keys:
                 if parent.lookup(k, ctx) is LookupResult.HIT:
                     hits.append(k)
-                elif ev.lookup_id < 0:  # a one-trip load's ask (its id is negative): its request uses only the
-                    break               # prefix, so keys past a gap are not pinned
+                elif api.is_ask(ev.lookup_id):  # a one-trip load's ask: its request uses only the prefix, so
+                    break                       # keys past a gap are not pinned
             if hits:
                 job = parent.create_store_job(hits, ctx)  # pins the rows; reported by our get_finished_jobs
                 if self._book.submit(JobKind.STORE, job, ev.request_id, "worker not ready"):

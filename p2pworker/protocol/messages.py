@@ -35,6 +35,17 @@ MAX_KEYS = MAX_MSG_KEYS
 # The final Offer's reason when an asking round ends at its engine's answer: the keys not offered are not held there.
 # A consumer's load that fails with it fell short (the source lacks the rest), not failed (vllm_adapter/jobs.py).
 NOT_HELD = "the producer's engine does not hold them"
+
+
+def ask_id(round_: int) -> int:
+    """The id under which an asking round's engine is asked (ServeLookup, then AnswerLookup on the adapter's ring):
+    negative, so it never meets a peer's lookup id (a Count, >= 0); rounds are unique per consumer worker."""
+    return -(round_ + 1)
+
+
+def is_ask(lookup_id: int) -> bool:
+    """The lookup is an asking round's (a one-trip load's), not a peer's Lookup."""
+    return lookup_id < 0
 MAX_PARTS = MAX_JOB_KEYS // MAX_KEYS
 MAX_ID_CHARS = 256
 MAX_LEASE_MS = 3_600_000

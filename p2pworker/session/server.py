@@ -194,9 +194,12 @@ class ServerRole(SessionCore):
             lease.ask = Ask.ANSWERED if not lease.pending else Ask.REFUSED
             self._offer(p)
             return
-        ask_id = -(lease.round + 1)  # rounds are >= 0 and unique per consumer worker; peers' lookup ids are >= 0
+        ask_id = m.ask_id(lease.round)
         if ask_id in self._asks:
             raise RemoteProtocolError(f"fetch {p.request_id!r}: round {lease.round} asked again while it is open")
+        # Invariant 7: asking adds no writer.  The engine pins its hits (store jobs) before they are parked; they are
+        # offered under this lease like any parked row, read only into the consumer's own rows, and reported only at
+        # the Release or the lease's end.  Invariant 8: up to MAX_JOB_KEYS keys (one ring message of the adapter's).
         keys = tuple(lease.pending)
         self._asks[ask_id] = AskedRound(p, lease, keys)
         self.ctx.reporter.emit(ServeLookup(self.peer_id, ask_id, p.request_id, keys))
@@ -249,7 +252,7 @@ class ServerRole(SessionCore):
             lease.pending.clear()
         lease.phase = move(LEASE_MOVES, lease.phase, LeaseEvent.FINAL_OFFER)
         lease.more = False  # parts still to come are ignored: the consumer has its final offer
-        asked = self._asks.get(-(lease.round + 1))
+        asked = self._asks.get(m.ask_id(lease.round))
         if asked is not None and asked.lease is lease:
             # The offers end before the engine answered (offer_until, a reset): what it pins for this round later
             # is never offered, so a tombstone (as the consumer's Done leaves) ends those stores at once.
