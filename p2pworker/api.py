@@ -15,6 +15,8 @@ import msgspec
 from p2pworker.limits import MAX_JOB_KEYS, RING_MAX_MESSAGE_BYTES  # noqa: F401  (the adapter checks against them)
 # a load that fell short says NOT_HELD (vllm_adapter/jobs.py); a PeerLookup whose id is_ask is a one-trip load's
 from p2pworker.protocol.messages import NOT_HELD, is_ask  # noqa: F401
+# a load or lookup that never reached its peer starts with one of PEER_DOWN (vllm_adapter/hints.py)
+from p2pworker.session.client import PEER_DOWN  # noqa: F401
 from p2pworker.shm.region import RegionHandle
 
 Scalar = Union[str, int, float, bool, None]
@@ -27,7 +29,7 @@ Scalar = Union[str, int, float, bool, None]
 # The check needs AttachRegion itself to decode on the other side: its RegionHandle forbids unknown fields, so a
 # field added there makes an older worker fail to decode it, which the worker reports as this same mismatch
 # (an undecodable command before any region is attached).
-RING_API = 3  # 2: ConsumerDone; ResetCache.loads.  3: LoadJob.ask
+RING_API = 4  # 2: ConsumerDone; ResetCache.loads.  3: LoadJob.ask.  4: AttachRegion.deferred_release, RowsSettled
 
 
 def ring_api_mismatch(theirs: int, who: str) -> str | None:
@@ -46,6 +48,10 @@ class AttachRegion(msgspec.Struct, tag="attach_region"):
     handle: RegionHandle
     identity: dict[str, Scalar] = {}
     api: int = 0  # the adapter's RING_API (0: a release before it was sent)
+    # The adapter's vLLM takes a failed load before our reads into its rows settled (vLLM 0.34's
+    # JobResult.deferred_release): such a load is reported at once with JobFinished.settled False, and RowsSettled
+    # follows once no byte of it can land.  False: a load is reported only once its reads settled (invariant 7).
+    deferred_release: bool = False
 
 
 class OpenSession(msgspec.Struct, tag="open_session"):
@@ -153,6 +159,16 @@ class JobFinished(msgspec.Struct, tag="job_finished"):
     nbytes: int
     seconds: float
     reason: str = ""
+    # False (only where AttachRegion.deferred_release): a failed load whose cancelled reads may still land in the
+    # rows of its failed keys; RowsSettled(job_id) says when they no longer can
+    settled: bool = True
+
+
+class RowsSettled(msgspec.Struct, tag="rows_settled"):
+    """A load reported with ``settled`` False: none of its reads can land in its rows any more (each settled or was
+    cancelled, or the session's Abort ended this worker first).  vLLM may reuse those rows from now on."""
+
+    job_id: int
 
 
 class LookupResult(msgspec.Struct, tag="lookup_result"):
@@ -195,7 +211,8 @@ class Drained(msgspec.Struct, tag="drained"):
     pass
 
 
-Event = Union[Ready, JobFinished, LookupResult, PeerLookup, PeerUp, PeerDown, WorkerError, Drained, Heartbeat]
+Event = Union[Ready, JobFinished, RowsSettled, LookupResult, PeerLookup, PeerUp, PeerDown, WorkerError, Drained,
+              Heartbeat]
 
 HEARTBEAT_S = 0.5  # the worker loop wakes at least every tick_s (50 ms), so this costs nothing extra
 

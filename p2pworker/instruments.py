@@ -13,6 +13,8 @@ else lets outside code in:
     on_send        a session message about to go out on its link or lane   watch it
     on_received    a peer's frame, before its session decodes it           watch it (decode a copy)
     on_read_settled  one of our posted reads settled (ok or not)           watch it
+    on_poll_data   the loop is about to collect settled reads             return False to leave them for a later
+                                                                           turn (a stalled data plane)
     on_event       an event the event ring took                            watch it
     on_sleep       the loop is about to sleep up to timeout_s              watch it
     on_woke        that sleep ended                                        watch it
@@ -57,6 +59,10 @@ class Instruments:
 
     def on_read_settled(self, transfer_id: int, ok: bool) -> None:
         """One of this worker's posted reads settled (the data plane says so); its session is told next."""
+
+    def on_poll_data(self) -> bool:
+        """False: the loop leaves settled reads uncollected this turn (their sessions still count them pending)."""
+        return True
 
     def on_event(self, ev: api.Event) -> None:
         """The event ring took ``ev`` (it is the adapter's now)."""

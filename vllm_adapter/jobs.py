@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,11 +28,35 @@ log = logging.getLogger("vllm_adapter.tier")
 # again this often while jobs are open (a request still finishing in the drain parks afresh; its consumer had this
 # long to fetch it).  Without it every stop waits out --shutdown-timeout and ends in a kill (invariant 6).
 STOP_RESET_S = 2.0
+# Reasons a load fails that are ours, not its source's (a reset, a drain, our worker stopping): they say nothing of
+# the source, so they do not make it ask first (SourceHints.failed)
+OUR_CANCELLATIONS = (api.ResetCache().reason, "vLLM is shutting down", "worker shutting down")
 
 
 class JobKind(enum.Enum):
     LOAD = "load"  # peer -> our rows (a PD or symmetric consumer)
     STORE = "store"  # our rows offered to peers (a producer, or serving a symmetric lookup)
+
+
+@dataclass
+class LoadState:
+    """One request's loads, kept in that request's own ReqContext: two live requests may share a kv_request_id
+    (sampling with n > 1, orchestrators that reuse ids), so nothing of this is keyed by the id."""
+
+    failed: bool = False  # a load of it failed: its later lookups answer MISS (vLLM recomputes; no re-promotion loop)
+    # a one-trip load of it went out: its later lookups answer MISS.  At most one asking load per request: when
+    # vLLM's CPU tier has less room than the prompt, it promotes what fits, then its LRU evicts the request's own
+    # landed chunks, and a HIT again would start another round, and so on (a pull that churns)
+    asked: bool = False
+
+
+def load_state(req_context) -> LoadState:
+    """The request's LoadState (made at its first use)."""
+    state = req_context.get_state(LoadState)
+    if state is None:
+        state = LoadState()
+        req_context.set_state(state)
+    return state
 
 
 @dataclass(frozen=True)
@@ -44,6 +69,7 @@ class OpenJob:
     t0: float  # monotonic, at submit
     address: str = ""  # a load: the peer it pulls from
     ask: bool = False  # a load in one round trip: its keys were promised (HIT) before the peer was asked
+    state: LoadState | None = None  # a load: its request's
 
 
 class JobBook:
@@ -52,19 +78,18 @@ class JobBook:
         self.clock = clock  # monotonic seconds; tests pass their own
         self.open: dict[int, OpenJob] = {}  # submitted to the worker, not yet reported to vLLM
         self.results: list[JobResult] = []  # reported by the worker (or failed here), not yet handed to vLLM
-        self.failed_req_ids: set[str] = set()  # requests whose load failed: their lookups MISS
-        # Loads open per kv_request_id, and ids whose request ended while one was open (vLLM finishes a request
-        # without waiting for its promotions): a late failure must not leave the id failed for good.
-        self._open_loads: dict[str, int] = {}
-        self._ended: set[str] = set()
         self._name, self._outbox, self._counts = name, outbox, counts
         self._hints = hints if hints is not None else SourceHints(clock)  # what one-trip loads found missing
         self._stop_reset_at: float | None = None  # vLLM is draining for shutdown: the next ResetCache then
+        # Loads reported failed before the worker's reads into their rows settled (vLLM 0.34's deferred release):
+        # job id -> the event vLLM waits on before it reuses those rows.  Set on RowsSettled, or once the worker is
+        # gone (its death ends every read it posted); never earlier (invariant 7).
+        self.deferred: dict[int, threading.Event] = {}
 
     @property
     def pending(self) -> bool:
-        """Jobs open, or results vLLM has not taken yet."""
-        return bool(self.open or self.results)
+        """Jobs open, results vLLM has not taken yet, or rows whose release vLLM defers to us."""
+        return bool(self.open or self.results or self.deferred)
 
     def take_results(self) -> list[JobResult]:
         out, self.results = self.results, []
@@ -76,9 +101,11 @@ class JobBook:
         serving worker) fails now with ``refused`` as its reason.  ``ask``: a load in one round trip (its peer is
         asked for the keys when the fetch arrives).  True: queued."""
         keys = list(job.keys)  # OffloadKey is bytes
-        self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, self.clock() if now is None else now, address, ask)
-        if kind is JobKind.LOAD:
-            self._open_loads[kv_request_id] = self._open_loads.get(kv_request_id, 0) + 1
+        state = load_state(job.req_context) if kind is JobKind.LOAD else None
+        if state is not None and ask:
+            state.asked = True
+        self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, self.clock() if now is None else now, address, ask,
+                                        state)
         if len(keys) > api.MAX_JOB_KEYS:
             self.finish(job.job_id, False, None, 0.0, None, _too_many(len(keys)))
             return False
@@ -97,9 +124,30 @@ class JobBook:
         if ev.job_id not in self.open:
             log.error("worker reported unknown job %d; ignored", ev.job_id)
             return
-        self.finish(ev.job_id, ev.success, ev.keys, ev.seconds, ev.nbytes, ev.reason)
+        if not ev.settled and ev.job_id in self.deferred:
+            log.error("worker reported job %d unsettled twice; ignored", ev.job_id)
+            return
+        self.finish(ev.job_id, ev.success, ev.keys, ev.seconds, ev.nbytes, ev.reason, settled=ev.settled)
 
-    def finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "") -> None:
+    def rows_settled(self, job_id: int) -> None:
+        """The worker's RowsSettled: no read of that load can land any more; vLLM may reuse its rows."""
+        event = self.deferred.pop(job_id, None)
+        if event is None:
+            log.error("worker settled job %d, which was not reported unsettled; ignored", job_id)
+            return
+        event.set()
+
+    def release_deferred(self) -> None:
+        """The worker is gone (its death ended every read it posted): every deferred release is set."""
+        deferred, self.deferred = self.deferred, {}
+        for event in deferred.values():
+            event.set()
+
+    def finish(self, job_id: int, success: bool, keys, seconds, nbytes, reason: str = "", *,
+               settled: bool = True) -> None:
+        """Report ``job_id`` to vLLM once.  ``settled`` False (a load the worker reported before its reads
+        settled, only where vLLM defers releases): vLLM fails its keys at once and keeps their rows until the
+        worker's RowsSettled sets the event."""
         job = self.open.pop(job_id)
         job_keys, rid = job.keys, job.kv_request_id
         if job.kind is JobKind.LOAD:
@@ -108,22 +156,20 @@ class JobBook:
             else:
                 asked = set(job_keys)
                 landed = [k for k in (keys or []) if k in asked]
-            self.results.append(JobResult(job_id, success, successful_keys=landed, transfer_time=seconds,
-                                          transfer_bytes=nbytes))
-            left = self._open_loads.get(rid, 1) - 1
-            if left > 0:
-                self._open_loads[rid] = left
+            if settled or set(landed) >= set(job_keys):  # nothing failed: vLLM takes no event (it asserts so)
+                self.results.append(JobResult(job_id, success, successful_keys=landed, transfer_time=seconds,
+                                              transfer_bytes=nbytes))
             else:
-                self._open_loads.pop(rid, None)
+                event = self.deferred[job_id] = threading.Event()
+                self.results.append(JobResult(job_id, False, successful_keys=landed, transfer_time=seconds,
+                                              transfer_bytes=nbytes, deferred_release=event))
             # a one-trip load the source's engine answered short (not one that timed out, was refused, or lost its
             # worker or its peer: those stay failures, and say nothing of what the source holds)
             short = job.ask and not success and api.NOT_HELD in (reason or "")
             if job.ask:
                 self._one_trip_done(job, landed, success, short, reason)
-            if not success and rid not in self._ended:
-                self.failed_req_ids.add(rid)  # later lookups MISS: vLLM recomputes, no re-promotion loop
-            if left <= 0:
-                self._ended.discard(rid)
+            if not success and job.state is not None:
+                job.state.failed = True  # its later lookups MISS: vLLM recomputes, no re-promotion loop
             if success:
                 self._counts.loads_ok += 1
             elif short:  # the expected way a one-trip load learns what its peer lacks
@@ -138,24 +184,24 @@ class JobBook:
             else:
                 self._counts.stores_failed += 1
 
-    def request_ended(self, rid: str) -> None:
-        """A loading request ended: its lookups are forgotten, and a load of it still open may fail without leaving
-        the id failed (a new request under a reused id must not MISS for it)."""
-        self.failed_req_ids.discard(rid)
-        if self._open_loads.get(rid):
-            self._ended.add(rid)
-
     def _one_trip_done(self, job: OpenJob, landed: list[bytes], success: bool, short: bool, reason: str) -> None:
         """A one-trip load ended: count what its promise brought, and remember at its peer what did and did not come
         (the next request that starts with a missing key asks first: vllm_adapter/hints.py)."""
         self._counts.pull_keys_landed += len(landed)
         self._hints.held(job.address, landed)
+        if success or landed:
+            self._hints.answered(job.address)
         if success:
             return
         self._counts.pull_keys_missed += len(job.keys) - len(landed)
-        if short:  # only the source's own answer says what it lacks
-            got = set(landed)
-            self._hints.lacked(job.address, [k for k in job.keys if k not in got])
+        if short:  # only the source's own answer says what it lacks: the first key it did not bring (the source
+            got = set(landed)  # asks its engine for the prefix only, so keys past that one say nothing)
+            gap = next((k for k in job.keys if k not in got), None)
+            if gap is not None:
+                self._hints.lacked(job.address, [gap])
+        elif reason and not reason.startswith(OUR_CANCELLATIONS):
+            # the source failed (dead, refusing, busy, another model, leased): its next pulls ask first for a while
+            self._hints.failed(job.address, reason)
         log.info("pulled %d of %d keys of %s from %s; vLLM recomputes from the first key not loaded (%s)",
                  len(landed), len(job.keys), job.kv_request_id, job.address, reason or "worker gone")
 
@@ -163,7 +209,7 @@ class JobBook:
         """The worker is gone: every open job fails, once."""
         now = self.clock()
         for job_id, job in list(self.open.items()):
-            self.finish(job_id, False, None, now - job.t0, None)
+            self.finish(job_id, False, None, now - job.t0, None)  # no reason: our worker went, not the source
 
     def refuse(self, cmd: api.Command, why: str) -> bool:
         """A job command the ring cannot carry: its job ends now.  False: not an open job's command."""

@@ -93,7 +93,7 @@ class AskedLookups:
 
     def on_result(self, ev: api.LookupResult) -> None:
         address, rid, keys = self._lookups.pop(ev.lookup_id, ("", "", []))
-        self._answer(address, rid, keys, ev.present)
+        self._answer(address, rid, keys, ev.present, ev.reason)
 
     def miss_all(self) -> None:
         """The worker is gone: every lookup asked or still to ask answers MISS."""
@@ -112,12 +112,16 @@ class AskedLookups:
             return True
         return False
 
-    def _answer(self, address: str, rid: str, keys: list[bytes], present: list[bool] | None) -> None:
+    def _answer(self, address: str, rid: str, keys: list[bytes], present: list[bool] | None,
+                why: str = "") -> None:
         """Record a peer's answer (None: it could not answer, so MISS).  Late answers for a finished request
         are dropped (nothing would ever forget them)."""
         if present is not None and len(present) == len(keys):  # what the peer said it holds, for later requests
+            self._hints.answered(address)
             self._hints.held(address, [k for k, p in zip(keys, present) if p])
             self._hints.lacked(address, [k for k, p in zip(keys, present) if not p])
+        elif present is None and address and why:  # it could not answer (dead, refusing, timed out): asked first
+            self._hints.failed(address, why)             # a while (no reason: our worker went, not the peer)
         asked = self._asked.get(rid)
         if asked is None:
             return

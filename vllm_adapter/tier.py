@@ -57,14 +57,15 @@ from p2pworker.config import tier_settings as _tier_settings
 from p2pworker.errors import P2PError
 from p2pworker.session.session import longest_hold_s
 from p2pworker.shm.maps import handle_for_range
+from vllm_adapter.contract import VLLM
 from vllm_adapter.engine_hook import EngineCore, IdleWaker, find_engine_core
 from vllm_adapter.hints import PullPath, SourceHints
 from vllm_adapter.finished import RECENT_FINISHED_MAX, RECENT_FINISHED_S, REPLAY_IN_RING_MAX, FinishedReplay
 from vllm_adapter.instruments import TierInstruments
-from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind, OpenJob
+from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind, OpenJob, load_state
 from vllm_adapter.lookups import AskedLookups, PeerLookups
 from vllm_adapter.metrics import M_DEATHS, M_IN_FLIGHT, M_LOADS, M_RESTARTS, M_STORES, TIER_METRICS, TierMetrics
-from vllm_adapter.outbox import Outbox
+from vllm_adapter.outbox import OPEN_AHEAD_MAX, OPEN_AHEAD_S, OpenAhead, Outbox
 from vllm_adapter.roles import PDRole, RoleKind, parse_role, role_of
 from vllm_adapter.supervisor import (
     DRAIN_LOG_S,
@@ -88,9 +89,6 @@ __all__ = [
 log = logging.getLogger("vllm_adapter.tier")
 
 POLL_THREAD_GONE_S = 0.1  # no off-thread poll for this long: on_schedule_end flushes commands itself
-# A request that will load from a peer asks the worker to open the session at once (OpenSession keep=False), at most
-# once per peer per this many seconds: for an open session it is a dict lookup in the worker, but not one per request.
-OPEN_AHEAD_S, OPEN_AHEAD_MAX = 5.0, 4096
 DRAIN_SLACK_S = 5.0  # drain_jobs: slack past the longest lease
 
 
@@ -133,9 +131,11 @@ class P2PWorkerTier(SecondaryTierManager):
         self.metrics = TierMetrics(self.worker_name)
         self.supervisor = WorkerSupervisor(
             self.worker_name, _spawner(self.worker_name, s, wcfg, dp),
-            api.AttachRegion(self.region, fingerprint_identity(offloading_spec), api.RING_API),
+            api.AttachRegion(self.region, fingerprint_identity(offloading_spec), api.RING_API,
+                             deferred_release=VLLM.deferred_release),
             WorkerHooks(watch=self._watch, spawned=self._on_spawned, ready=self._on_ready, gone=self._on_gone,
-                        jobs_open=lambda: len(self.jobs.open)),
+                        # rows of a deferred release are the worker's until it is gone, like an open job's
+                        jobs_open=lambda: len(self.jobs.open) + len(self.jobs.deferred)),
             self.metrics.counts, rings=bool(s.rings), start_s=s.start_timeout_s, stall_s=s.worker_stall_s)
         self.outbox = Outbox(self.supervisor, self._refuse)
         self.hints = SourceHints()  # which keys a source lately lacked: the pull path a request takes
@@ -144,7 +144,7 @@ class P2PWorkerTier(SecondaryTierManager):
                                     one_trip=_one_trip(s.pull_path, offloading_spec, self.worker_name))
         self.peer_lookups = PeerLookups(self.jobs, self.outbox)
         self.finished = FinishedReplay(self.worker_name, self.supervisor, self.outbox)
-        self._opened_ahead: dict[str, float] = {}  # peer address -> when a request last asked to open its session
+        self.opened_ahead = OpenAhead(self.outbox)
         self._scheduler_thread = threading.get_ident()  # vLLM builds tiers on the scheduler thread
         self._off_thread_poll_at = -1e9  # last get_finished_jobs from vLLM's tier-poll thread (0.33)
         # drain_jobs: the longest a job of a live worker can stay open (a lease the worker grants, or our load and
@@ -196,13 +196,14 @@ class P2PWorkerTier(SecondaryTierManager):
             log.warning("p2pworker %s sent hold_s=%r; drain_jobs keeps the bound it had, %.1f s",
                         self.worker_name, ev.hold_s, self.drain_s)
         self.finished.on_ready()
-        self._opened_ahead.clear()  # a new worker has no session yet
+        self.opened_ahead.clear()  # a new worker has no session yet
         for peer in self._peers:  # kept connected by the worker from now on (re-opened if a session ends)
             if not self.outbox.send(api.OpenSession(peer)):
                 log.warning("could not ask the worker to connect to %s: command ring full", peer)
 
     def _on_gone(self) -> None:
         self.jobs.fail_all()
+        self.jobs.release_deferred()  # the process is gone: none of its reads can land any more
         self.lookups.miss_all()
         self.peer_lookups.queue.clear()
         self.outbox.clear()  # their jobs were failed above
@@ -235,6 +236,8 @@ class P2PWorkerTier(SecondaryTierManager):
         """One event from the worker.  True: the worker was ended (the rest of its events are moot)."""
         if isinstance(ev, api.JobFinished):
             self.jobs.report(ev)
+        elif isinstance(ev, api.RowsSettled):
+            self.jobs.rows_settled(ev.job_id)
         elif isinstance(ev, api.LookupResult):
             self.lookups.on_result(ev)
         elif isinstance(ev, api.PeerLookup):
@@ -266,35 +269,25 @@ class P2PWorkerTier(SecondaryTierManager):
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         role = parse_role(req_context.kv_transfer_params)
         req_context.set_state(role)
-        if role.kind.loads and self.instruments.on_open_ahead(role.address):
-            self._open_ahead(role.address)
+        if role.kind.loads and self.instruments.on_open_ahead(role.address) and self.supervisor.serving:
+            self.opened_ahead.open(role.address)
         if role.kind.produces:  # every block of the request, pulled or cached ones too, is cascaded to us
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
 
-    def _open_ahead(self, address: str) -> None:
-        """A request that will look up and load from ``address`` arrived: have the worker open that session now, so
-        the handshake (and on one host the handover and lane) runs while vLLM schedules the request instead of
-        after its first load is submitted (first contact).  Not a listed peer: opened once, not kept."""
-        now = time.monotonic()
-        if now - self._opened_ahead.get(address, -OPEN_AHEAD_S) < OPEN_AHEAD_S or not self.supervisor.serving:
-            return
-        if len(self._opened_ahead) >= OPEN_AHEAD_MAX:
-            self._opened_ahead.clear()  # bounded: at worst a peer is asked once more
-        self._opened_ahead[address] = now
-        if self.outbox.send(api.OpenSession(address, keep=False)):
-            # Now, not at the step's end: the point is to start before the lookups.  A non-blocking ring put; vLLM
-            # calls on_new_request under the manager lock (0.33), which the poll thread's flush holds too.
-            self.outbox.flush()
-
     def lookup(self, key, req_context) -> LookupResult:
         role = role_of(req_context)
-        if not role.kind.loads or role.kv_request_id in self.jobs.failed_req_ids or not self.supervisor.serving:
+        # a failed load of this request: its lookups MISS, vLLM recomputes (no re-promotion loop)
+        if not role.kind.loads or not self.supervisor.serving or (state := load_state(req_context)).failed:
             return LookupResult.MISS
         if not role.kind.asks:
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
         if self.lookups.path(req_context, role.address, key) is PullPath.ONE_TRIP:
-            return LookupResult.HIT  # promised: the load asks the source, and what it lacks fails (then MISS)
+            # promised: the load asks the source, and what it lacks fails (then MISS).  Once per request: a key asked
+            # after that load went out is one vLLM's CPU tier had no room for: recomputed, not pulled round after round
+            return LookupResult.MISS if state.asked else LookupResult.HIT
+        if self.hints.down(role.address):  # unreachable lately: recompute now, not after another handshake timeout
+            return LookupResult.MISS
         return self.lookups.lookup(role.address, role.kv_request_id, key)
 
     def submit_store(self, job: TransferJob) -> None:
@@ -327,7 +320,6 @@ class P2PWorkerTier(SecondaryTierManager):
             # Loaded all, some or none (it held a shared prefix; it recomputed; it was aborted): the peer releases
             # what it parked for us and we did not fetch now, not park_timeout_s after its own request's end.
             self.outbox.send(api.ConsumerDone(role.address, role.kv_request_id))
-            self.jobs.request_ended(role.kv_request_id)
 
     def serve_external_requests(self, parent) -> None:
         """Answer peers' lookups: pin our hits through vLLM and park them under the asker's request id."""
@@ -347,21 +339,24 @@ class P2PWorkerTier(SecondaryTierManager):
         and nothing of ours touches vLLM's rows, which it then reuses. Our store jobs would stay open while parked for a
         consumer (until park_timeout_s after their request's end) and our loads until their lease, so the worker is told
         to end them (ResetCache): parked stores no consumer can be reading fail at once, leased ones end with their
-        lease, loads are cancelled and reported once their reads settled. A job still open past the longest lease the
+        lease, loads are cancelled and reported once their reads settled (on vLLM 0.34 at once, with a deferred
+        release that is set here once they settled). A job still open past the longest lease the
         worker grants is never failed while the worker lives (a consumer could still read those rows, or our read land
         in them): the worker is killed, and its jobs fail once it is gone; vLLM waits meanwhile, as its own tiers do."""
         if self.jobs.open and self.outbox.send(api.ResetCache()):
             self.outbox.flush()
         deadline = time.monotonic() + self.drain_s
-        while self.jobs.open and time.monotonic() < deadline:
+        # vLLM 0.34: a load cancelled here is reported at once with a deferred release, whose event must be set
+        # before we return (its rows go back to vLLM's free pool after the reset)
+        while (self.jobs.open or self.jobs.deferred) and time.monotonic() < deadline:
             self._pump()
             time.sleep(0.001)
-        if not self.jobs.open:
+        if not self.jobs.open and not self.jobs.deferred:
             return
-        log.error("drain: %d job(s) of p2pworker %s still open after %.0f s (past the longest lease): killing it",
-                  len(self.jobs.open), self.worker_name, self.drain_s)
+        log.error("drain: %d job(s) of p2pworker %s open, %d load(s) settling after %.0f s (past the longest lease): "
+                  "killing it", len(self.jobs.open), self.worker_name, len(self.jobs.deferred), self.drain_s)
         self.supervisor.kill_and_wait()
-        if self.jobs.open:
+        if self.jobs.open or self.jobs.deferred:
             self.supervisor.worker_died("killed: a job outlived the longest lease while vLLM drained the tier")
 
     def shutdown(self) -> None:
@@ -420,7 +415,13 @@ def _spawner(name: str, s: TierSettings, wcfg: WorkerConfig, dp: int) -> Callabl
 
 
 def _waker(engine: EngineCore | None, poll_s: float, last_call: Callable[[], float], name: str) -> IdleWaker | None:
-    """The IdleWaker for an engine without a tier-poll thread (vLLM 0.32); what the engine core found means, said."""
+    """The IdleWaker for an engine that idles without a tier-poll thread (vLLM 0.32, or 0.33 with the thread off);
+    what the engine core found means, said.  Never where a poll thread runs, and never on 0.34: there an engine
+    without the thread never idles (its manager answers has_pending_work True for our tier), so a wake is moot."""
+    if engine is not None and poll_s <= 0 and VLLM.idle_needs_poll_thread:
+        log.info("P2PWorkerTier %s: no tier-poll thread (tier_poll_interval_s <= 0): this vLLM steps the engine "
+                 "without pause while our tier is loaded; the default poll thread lets it idle", name)
+        return None
     waker = IdleWaker(engine, last_call, name) if engine is not None and poll_s <= 0 else None
     if engine is None:  # a warning: vLLM shows only its own loggers' INFO lines
         log.warning("P2PWorkerTier %s: no vLLM engine core found on the stack that built the tier: %s",

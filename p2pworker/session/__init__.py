@@ -4,6 +4,7 @@ from p2pworker.session.parking import ParkingLot
 from p2pworker.session.reporter import (
     JobDone,
     JobKind,
+    JobSettled,
     LookupAnswer,
     Reporter,
     ServeLookup,
@@ -34,7 +35,7 @@ from p2pworker.session.session import (
 
 __all__ = [
     "ALLOWED", "LOAD_MOVES", "MOVES", "Abort", "Action", "AddDataPeer", "Answered", "CancelReads", "CloseCause",
-    "DialLane", "ExpectLane", "PostRead", "RemoveDataPeer", "Send", "JobDone", "JobKind",
+    "DialLane", "ExpectLane", "PostRead", "RemoveDataPeer", "Send", "JobDone", "JobKind", "JobSettled",
     "LookupAnswer", "ParkingLot", "Reporter", "ServeLookup", "Session", "SessionClosed",
     "SessionConfig", "SessionContext", "SessionUp", "State", "close_text",
 ]

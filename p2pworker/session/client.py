@@ -8,9 +8,19 @@ changes)::
     SETTLING --no read pending--> REPORTED
     SETTLING --settle_timeout_s, reads still posted--> STUCK (Abort)  --they settle after all--> REPORTED
 
+Where the adapter's vLLM takes a failed load before its reads settle (``SessionContext.deferred_release``, vLLM
+0.34), a load that can no longer succeed is reported at once, *unsettled*, and settled later::
+
+    SETTLING --reads still posted--> DEFERRED (JobDone settled=False)
+    FINAL --the final offer said some keys are not held, and every read still posted is of keys past the first
+            missing one (CancelReads: vLLM recomputes from that key, so they are useless)--> DEFERRED
+    DEFERRED --no read pending--> REPORTED (JobSettled)
+    DEFERRED --settle_timeout_s, reads still posted--> STUCK (Abort)
+
 A read counts only while its load is WAITING or FINAL and before the deadline; a load is reported only once no read
 it posted is pending (invariant 7), so a WAITING load is never reported, and a STUCK one waits for its reads (the
-worker exits on the Abort first: its death ends them).
+worker exits on the Abort first: its death ends them).  An unsettled report fails every key whose read had not
+landed, and vLLM keeps those rows out of its free pool until the JobSettled: no byte lands in a row vLLM can reuse.
 """
 
 from __future__ import annotations
@@ -27,12 +37,20 @@ from p2pworker.session.moves import move
 from p2pworker.session.reporter import JobKind
 
 
+# How a load or lookup that never reached its peer says so (the adapter reads these prefixes: such a source is down,
+# and its pulls recompute at once for a while instead of waiting for it again; vllm_adapter/hints.py)
+NO_HANDSHAKE = "no handshake with the peer"
+SESSION_CLOSED = "session to "
+PEER_DOWN = (NO_HANDSHAKE, SESSION_CLOSED)
+
+
 class LoadPhase(enum.Enum):
     WAITING = "waiting"  # offers arrive, reads are posted
     FINAL = "final"  # the final offer came: reads still count, nothing more will be offered
     SETTLING = "settling"  # past the deadline or the session closed: reads cancelled, waiting for them
+    DEFERRED = "deferred"  # reported failed, unsettled: cancelled reads still posted (deferred release, vLLM 0.34)
     STUCK = "stuck"  # cancelled reads outlived settle_timeout_s: the worker was told to exit (Abort)
-    REPORTED = "reported"  # the job was reported: the load is forgotten
+    REPORTED = "reported"  # the job was reported (and settled): the load is forgotten
 
 
 class LoadEvent(enum.Enum):
@@ -42,10 +60,11 @@ class LoadEvent(enum.Enum):
     CLOSED = "closed"
     CANCELLED = "cancelled"  # the worker is shutting down: the link still works, so the Release can go out
     SETTLE_TIMEOUT = "settle_timeout"
-    SETTLED = "settled"  # no read of it is pending, and it is final or settling: report it
+    REPORTED_EARLY = "reported_early"  # it cannot succeed and only cancelled reads are pending: reported unsettled
+    SETTLED = "settled"  # no read of it is pending, and it is final or settling: report it (or settle it)
 
 
-_W, _F, _S, _X = LoadPhase.WAITING, LoadPhase.FINAL, LoadPhase.SETTLING, LoadPhase.STUCK
+_W, _F, _S, _X, _D = LoadPhase.WAITING, LoadPhase.FINAL, LoadPhase.SETTLING, LoadPhase.STUCK, LoadPhase.DEFERRED
 LOAD_MOVES: dict[tuple[LoadPhase, LoadEvent], LoadPhase] = {
     (_W, LoadEvent.FINAL_OFFER): _F,
     (_F, LoadEvent.FINAL_OFFER): _F,  # a second final offer changes nothing but the reason
@@ -66,6 +85,13 @@ LOAD_MOVES: dict[tuple[LoadPhase, LoadEvent], LoadPhase] = {
     (_F, LoadEvent.SETTLED): LoadPhase.REPORTED,
     (_S, LoadEvent.SETTLED): LoadPhase.REPORTED,
     (_X, LoadEvent.SETTLED): LoadPhase.REPORTED,  # only where the worker did not exit (tests)
+    (_S, LoadEvent.REPORTED_EARLY): _D,
+    (_F, LoadEvent.REPORTED_EARLY): _D,  # short: what is still read lies past the first missing key
+    (_D, LoadEvent.FINAL_OFFER): _D,
+    (_D, LoadEvent.CLOSED): _D,
+    (_D, LoadEvent.CANCELLED): _D,
+    (_D, LoadEvent.SETTLE_TIMEOUT): _X,
+    (_D, LoadEvent.SETTLED): LoadPhase.REPORTED,
 }
 _READING = frozenset({_W, _F})  # reads posted in these phases count (before the deadline)
 
@@ -86,6 +112,8 @@ class _Load:
     fetches: list[m.Fetch] = field(default_factory=list)  # while they wait for the handshake: withdrawable
     handshake_by: float = math.inf  # a Fetch still queued then is withdrawn: whoever answers later on that
     # address (a restarted producer) never heard of the request and would make us wait out its fetch_timeout_s
+    cancelled: set[int] = field(default_factory=set)  # pending read ids cancelled as useless (past a missing key)
+    early: bool = False  # reported unsettled: its JobSettled is still owed
 
 
 @dataclass(eq=False)
@@ -119,7 +147,7 @@ class ClientRole(SessionCore):
         """Why a load cannot start here ("" when it can)."""
         cfg = self.ctx.config
         if self.state is State.CLOSED:
-            return f"session to {self.peer_id} closed: {self.close_reason}"
+            return f"{SESSION_CLOSED}{self.peer_id} closed: {self.close_reason}"
         if len(keys) > MAX_JOB_KEYS:
             return f"load of {len(keys)} keys exceeds the hard limit of {MAX_JOB_KEYS} keys per job (p2pworker.limits)"
         if not keys or len(keys) != len(rows) or len(granted) != len(keys) or len(set(granted.values())) != len(keys):
@@ -222,7 +250,22 @@ class ClientRole(SessionCore):
             load.reads[rid] = list(msg.keys)
             self._reads[rid] = load
             self._out.append(PostRead(rid, list(map(load.rows.__getitem__, msg.keys)), list(msg.rows)))
+        if msg.final and self.ctx.deferred_release:
+            self._cancel_past_gap(load)
         self._maybe_report(load)
+
+    def _cancel_past_gap(self, load: _Load) -> None:
+        """A final offer that left keys out: vLLM recomputes from the first key not loaded, so reads of keys past it
+        are useless.  Cancel those (their rows' release is deferred, not waited for)."""
+        missing = next((k for k in load.rows if k not in load.offered), None)
+        if missing is None:
+            return
+        keys = list(load.rows)
+        past = set(keys[keys.index(missing) + 1:])
+        useless = tuple(r for r, ks in load.reads.items() if r not in load.cancelled and past.issuperset(ks))
+        if useless:
+            load.cancelled.update(useless)
+            self._out.append(CancelReads(useless))
 
     def _on_lookup_resp(self, msg: m.LookupResp) -> None:
         asked = self._lookups.get(msg.lookup_id)
@@ -245,6 +288,7 @@ class ClientRole(SessionCore):
             self.counters.late_reads += 1
             return []
         keys = load.reads.pop(read_id)
+        load.cancelled.discard(read_id)
         now = self.ctx.clock()
         if ok and now < load.deadline and load.phase in _READING:
             load.read_ok.extend(keys)
@@ -260,20 +304,42 @@ class ClientRole(SessionCore):
 
     # ------------------------------------------------------------ a load's end
     def _maybe_report(self, load: _Load) -> None:
-        if load.reads or load.phase is LoadPhase.WAITING:
+        if load.phase is LoadPhase.WAITING:
             return
-        self._report(load)
+        if not load.reads:
+            self._report(load)
+        elif (self.ctx.deferred_release and not load.early and load.phase in (_F, _S)
+              and load.cancelled.issuperset(load.reads)):
+            self._report_early(load)
+
+    def _failure_reason(self, load: _Load) -> str:
+        n = len(load.rows)
+        return load.reason or f"{n - len(load.read_ok)} of {n} keys did not arrive"
+
+    def _report_early(self, load: _Load) -> None:
+        """The load cannot succeed and only cancelled reads are pending: report it failed now, unsettled.  vLLM
+        fails every key not read yet at once and keeps their rows out of its free pool until the JobSettled."""
+        ctx = self.ctx
+        load.phase = move(LOAD_MOVES, load.phase, LoadEvent.REPORTED_EARLY)
+        load.early = True
+        if load.settle_by == math.inf:  # from FINAL: the cancelled reads get the same bound as any cancellation
+            load.settle_by = ctx.clock() + ctx.config.settle_timeout_s
+        ctx.reporter.done(load.job_id, False, load.read_ok, len(load.read_ok) * ctx.data_info.block_bytes,
+                          ctx.clock(), self._failure_reason(load), settled=False)
 
     def _report(self, load: _Load) -> None:
-        """Report the job once, then release the producer's rows (the job is over: no read of it can run)."""
+        """Report the job once (or settle one reported early), then release the producer's rows (the job is over:
+        no read of it can run)."""
         ctx = self.ctx
         n = len(load.rows)
         ok = len(load.read_ok) == n and load.phase is LoadPhase.FINAL
         load.phase = move(LOAD_MOVES, load.phase, LoadEvent.SETTLED)
         del self._loads[load.round]
-        reason = "" if ok else load.reason or f"{n - len(load.read_ok)} of {n} keys did not arrive"
-        ctx.reporter.done(load.job_id, ok, load.read_ok, len(load.read_ok) * ctx.data_info.block_bytes,
-                          ctx.clock(), reason)
+        if load.early:
+            ctx.reporter.settled(load.job_id)
+        else:
+            ctx.reporter.done(load.job_id, ok, load.read_ok, len(load.read_ok) * ctx.data_info.block_bytes,
+                              ctx.clock(), "" if ok else self._failure_reason(load))
         if self.state is not State.ACTIVE and load.fetches:
             self._withdrawn.add(load.round)  # never sent: nothing leased, nothing to release (O(1): skipped later)
             return
@@ -283,13 +349,14 @@ class ClientRole(SessionCore):
     def _settle(self, load: _Load, event: LoadEvent, reason: str) -> None:
         """Deadline, no handshake, close or shutdown: cancel the load's reads; report when none is pending."""
         load.phase = move(LOAD_MOVES, load.phase, event)
-        if load.settle_by == math.inf:
+        if load.settle_by == math.inf:  # the first settle names the reason (a load reported early keeps its own)
             load.settle_by = self.ctx.clock() + self.ctx.config.settle_timeout_s
             load.reason = reason
-        if load.reads:
-            self._out.append(CancelReads(tuple(load.reads)))
-        else:
-            self._report(load)
+        fresh = tuple(r for r in load.reads if r not in load.cancelled)
+        if fresh:
+            load.cancelled.update(fresh)
+            self._out.append(CancelReads(fresh))
+        self._maybe_report(load)
 
     def _stuck(self, load: _Load) -> Abort:
         """Reads still posted settle_timeout_s after their cancellation: NIXL cannot abort a posted READ, so
@@ -321,8 +388,8 @@ class ClientRole(SessionCore):
             elif (load.phase is LoadPhase.WAITING and now >= load.handshake_by
                     and self.state in (State.IDLE, State.HELLO_SENT)):
                 self._settle(load, LoadEvent.NO_HANDSHAKE,
-                             f"no handshake with the peer within {cfg.handshake_timeout_s:g} s")
-            elif load.phase is LoadPhase.SETTLING and now >= load.settle_by and not self._aborted:
+                             f"{NO_HANDSHAKE} within {cfg.handshake_timeout_s:g} s")
+            elif load.phase in (_S, _D) and now >= load.settle_by and not self._aborted:
                 abort = self._stuck(load)
         return abort
 

@@ -187,6 +187,9 @@ class SessionContext:
     # never issued, so a late offer check can start above it)
     rounds: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     lanes: bool = False  # offer a same-host lane to the peers we dial (p2pworker.control.lane)
+    # The adapter takes a failed load before its reads settled (api.AttachRegion.deferred_release): a load that can
+    # no longer succeed is reported at once, unsettled, and settled once no read of it can land (invariant 7)
+    deferred_release: bool = False
 
 
 @dataclass(slots=True)

@@ -30,6 +30,13 @@ class JobDone(NamedTuple):
     nbytes: int
     seconds: float
     reason: str  # why not everything moved ("" on full success)
+    settled: bool = True  # False: a failed load reported while cancelled reads may still land; JobSettled follows
+
+
+class JobSettled(NamedTuple):
+    """A load reported unsettled: none of its reads can land any more (its rows are vLLM's again)."""
+
+    job_id: int
 
 
 class LookupAnswer(NamedTuple):
@@ -56,12 +63,13 @@ class SessionClosed(NamedTuple):
     reason: str
 
 
-Event = Union[JobDone, LookupAnswer, ServeLookup, SessionUp, SessionClosed]
+Event = Union[JobDone, JobSettled, LookupAnswer, ServeLookup, SessionUp, SessionClosed]
 
 
 class Reporter:
     def __init__(self) -> None:
         self._open: dict[int, tuple[JobKind, float]] = {}
+        self._unsettled: set[int] = set()  # loads reported with settled=False: JobSettled still owed
         self._lookups: set[int] = set()
         self.events: list[Event] = []
 
@@ -73,12 +81,27 @@ class Reporter:
     def is_open(self, job_id: int) -> bool:
         return job_id in self._open
 
-    def done(self, job_id: int, success: bool, keys, nbytes: int, now: float, reason: str = "") -> None:
-        entry = self._open.pop(job_id, None)
+    def done(self, job_id: int, success: bool, keys, nbytes: int, now: float, reason: str = "", *,
+             settled: bool = True) -> None:
+        """Report ``job_id`` once.  ``settled`` False: a failed load whose cancelled reads may still land; it owes
+        exactly one :meth:`settled` later."""
+        entry = self._open.get(job_id)
         if entry is None:
             raise LocalProtocolError(f"job {job_id} reported but it is not open (unknown or already reported)")
         kind, t0 = entry
-        self.events.append(JobDone(job_id, kind, success, tuple(keys), nbytes, max(0.0, now - t0), reason))
+        if not settled and (success or kind is not JobKind.LOAD):
+            raise LocalProtocolError(f"job {job_id}: only a failed load may be reported before its reads settled")
+        del self._open[job_id]
+        if not settled:
+            self._unsettled.add(job_id)
+        self.events.append(JobDone(job_id, kind, success, tuple(keys), nbytes, max(0.0, now - t0), reason, settled))
+
+    def settled(self, job_id: int) -> None:
+        """A load reported unsettled: no read of it can land any more."""
+        if job_id not in self._unsettled:
+            raise LocalProtocolError(f"job {job_id} settled but it was not reported unsettled (or settled twice)")
+        self._unsettled.discard(job_id)
+        self.events.append(JobSettled(job_id))
 
     def open_lookup(self, lookup_id: int) -> None:
         if lookup_id in self._lookups:
@@ -108,4 +131,5 @@ class Reporter:
 
     @property
     def open_jobs(self) -> int:
-        return len(self._open)
+        """Jobs not reported yet, and loads reported whose reads may still land (the worker is not drained)."""
+        return len(self._open) + len(self._unsettled)

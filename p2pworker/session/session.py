@@ -68,7 +68,7 @@ import secrets
 from p2pworker.errors import RemoteProtocolError
 from p2pworker.protocol import messages as m
 from p2pworker.protocol.peer_info import PeerDataInfo
-from p2pworker.session.client import LOAD_MOVES, ClientRole, LoadEvent, LoadPhase
+from p2pworker.session.client import LOAD_MOVES, SESSION_CLOSED, ClientRole, LoadEvent, LoadPhase
 from p2pworker.session.core import (
     ALLOWED,
     LEASE_DRIFT,
@@ -258,7 +258,7 @@ class Session(ClientRole, ServerRole):
         self.close_cause = cause
         self.close_reason = reason
         self._queue.clear()
-        self._close_client(f"session to {self.peer_id} closed: {reason}")
+        self._close_client(f"{SESSION_CLOSED}{self.peer_id} closed: {reason}")
         self._close_server(reason)
         if self._data_added:
             self._out.append(RemoveDataPeer())

@@ -175,6 +175,8 @@ class ActionRunner:
     # ------------------------------------------------------------ settled reads
     def poll_data(self) -> bool:
         """Hand settled reads back to the sessions that posted them."""
+        if not self.w.instruments.on_poll_data():
+            return False
         done, failed = self.w.data.poll()
         if not done and not failed:
             return False

@@ -62,6 +62,7 @@ def attach(cfg: WorkerConfig, cmd: api.AttachRegion, reporter: Reporter, clock: 
             node_id=ctl.node_id, data_info=data.local_info(), fingerprint=fingerprint,
             reporter=reporter, lot=lot, clock=clock, config=cfg.session,
             lanes=cfg.data.same_host and cfg.data.lane and data.lane_server() is not None,
+            deferred_release=cmd.deferred_release,
         )
     except BaseException:
         _undo(region, ctl, data)

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 from p2pworker import api
 from p2pworker.errors import MessageTooLarge
 from p2pworker.instruments import Instruments
-from p2pworker.session import JobDone, LookupAnswer, Reporter, ServeLookup, SessionClosed, SessionUp
+from p2pworker.session import JobDone, JobSettled, LookupAnswer, Reporter, ServeLookup, SessionClosed, SessionUp
 from p2pworker.session.reporter import Event as ReportedEvent
 from p2pworker.shm import Ring
 
@@ -108,7 +108,8 @@ def too_large(ev: api.Event, e: Exception) -> api.Event:
     """What to report instead of an event the event ring refused: the job still ends once, as a failure."""
     log.error("%s event too large for the event ring: %s", type(ev).__name__, e)
     if isinstance(ev, api.JobFinished):
-        return api.JobFinished(ev.job_id, ev.kind, False, [], 0, ev.seconds, f"report too large: {e}")
+        # an unsettled load stays unsettled: its RowsSettled still decides when vLLM may reuse the rows
+        return api.JobFinished(ev.job_id, ev.kind, False, [], 0, ev.seconds, f"report too large: {e}", ev.settled)
     if isinstance(ev, api.LookupResult):
         return api.LookupResult(ev.lookup_id, None, f"answer too large: {e}")
     return api.WorkerError(f"{type(ev).__name__} dropped: {e}")
@@ -118,7 +119,9 @@ def to_api(ev: ReportedEvent) -> api.Event:
     if isinstance(ev, JobDone):
         # success means every key of the job moved: the adapter knows them (a 65,536-key job would echo 2.8 MB)
         keys = [] if ev.success else list(ev.keys)
-        return api.JobFinished(ev.job_id, ev.kind, ev.success, keys, ev.nbytes, ev.seconds, ev.reason)
+        return api.JobFinished(ev.job_id, ev.kind, ev.success, keys, ev.nbytes, ev.seconds, ev.reason, ev.settled)
+    if isinstance(ev, JobSettled):
+        return api.RowsSettled(ev.job_id)
     if isinstance(ev, LookupAnswer):
         return api.LookupResult(ev.lookup_id, None if ev.present is None else list(ev.present), ev.reason)
     if isinstance(ev, ServeLookup):

@@ -106,7 +106,7 @@ class FakeData:
 
 class Side:
     def __init__(self, node: str, clock: Clock, *, fingerprint: Fingerprint | None = None, num_blocks: int = 64,
-                 block_bytes: int = BLOCK, config: SessionConfig | None = None):
+                 block_bytes: int = BLOCK, config: SessionConfig | None = None, deferred_release: bool = False):
         self.node = node
         self.clock = clock
         self.data = FakeData()
@@ -116,6 +116,7 @@ class Side:
             node_id=node, data_info=PeerDataInfo("fake", node, 0, num_blocks, block_bytes),
             fingerprint=fingerprint or Fingerprint.build(block_bytes=BLOCK, protocol_version=m.PROTOCOL_VERSION),
             reporter=self.reporter, lot=self.lot, clock=clock, config=config or SessionConfig(),
+            deferred_release=deferred_release,
         )
         self.region: list[bytes] = [b"<empty>"] * num_blocks
         self.outbox: list[bytes] = []

@@ -1,4 +1,4 @@
-"""Real vLLM tiering managers (0.32 or 0.33, on the CPU) with P2PWorkerTier, driven like OffloadingConnector."""
+"""Real vLLM tiering managers (0.32, 0.33 or 0.34, on the CPU) with P2PWorkerTier, driven like OffloadingConnector."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from vllm_adapter.contract import VLLM
+
 ROW = 16384
+# kv_connector_extra_config of an engine that idles between requests.  vLLM 0.32 (no tier-poll thread) and 0.33 with
+# its thread off block on their input queue once the manager says no pending work, and call the tier no more until
+# woken.  On 0.34 only a live tier-poll thread lets an engine idle (without it the manager answers has_pending_work
+# True for our tier, and vLLM steps for ever); the thread then calls the tier while the engine sleeps.
+IDLE_ENGINE: dict = {} if VLLM.idle_needs_poll_thread else {"tier_poll_interval_s": 0}
 
 
 def _mk(cls, **kw):  # fields differ between 0.32 and 0.33
@@ -151,6 +158,11 @@ class Engine:
     def idle(self) -> bool:
         return not self.mgr._jobs
 
+    @property
+    def poll_thread(self) -> bool:
+        """vLLM's tier-poll thread calls the tier between steps (0.33+, unless tier_poll_interval_s <= 0)."""
+        return float(getattr(self.spec, "tier_poll_interval_s", 0.0) or 0.0) > 0
+
     def close(self) -> None:
         self.mgr.shutdown()  # without the lock, as vLLM does
 
@@ -165,4 +177,31 @@ def run_until(engines, done, timeout_s: float = 30.0) -> None:
         time.sleep(0.002)
 
 
-__all__ = ["Engine", "LookupResult", "ReqContext", "key", "payload", "payloads", "run_until", "ROW"]
+def idle_steps(engine: Engine, timeout_s: float = 30.0) -> int:
+    """An engine without requests: it steps only while the manager says it has pending work (then it blocks on its
+    input queue).  Returns the steps taken; raises if the tier keeps it stepping past ``timeout_s``."""
+    deadline, n = time.monotonic() + timeout_s, 0
+    while engine.mgr.has_pending_work():
+        assert time.monotonic() < deadline, f"has_pending_work still True after {timeout_s} s of idle steps"
+        engine.step()
+        n += 1
+        time.sleep(0.002)
+    return n
+
+
+def idle_until(engine: Engine, done, why: str, timeout_s: float = 30.0) -> int:
+    """An engine without requests until ``done()``: it steps while the manager says it has pending work
+    (:func:`idle_steps`), then blocks on its input queue, where only vLLM's tier-poll thread still calls the tier.
+    Fails with ``why`` when ``done()`` does not hold by then and no poll thread runs (vLLM would never call the tier
+    again), or past ``timeout_s``.  Returns the steps taken."""
+    deadline = time.monotonic() + timeout_s
+    n = idle_steps(engine, timeout_s)
+    while not done():
+        assert engine.poll_thread, f"{why} (the engine blocks on its input queue, and no tier-poll thread runs)"
+        assert time.monotonic() < deadline, f"{why} (within {timeout_s} s of the tier-poll thread alone)"
+        time.sleep(0.002)
+    return n
+
+
+__all__ = ["Engine", "LookupResult", "ReqContext", "key", "payload", "payloads", "run_until", "ROW", "IDLE_ENGINE",
+           "idle_steps", "idle_until"]

@@ -36,7 +36,7 @@ def test_the_worker_calls_every_instrument_point_and_nothing_else_of_them():
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "instruments"}
     assert _points() == {"on_command", "on_attach", "on_ready", "on_job_done", "on_send", "on_received",
-                         "on_read_settled", "on_event", "on_sleep", "on_woke", "on_stop"}
+                         "on_read_settled", "on_poll_data", "on_event", "on_sleep", "on_woke", "on_stop"}
     assert called == _points(), f"declared {sorted(_points())}, called {sorted(called)}"
 
 
@@ -44,10 +44,11 @@ def test_the_hooks_the_suite_uses_implement_only_declared_points():
     import tests.hooks.corrupt_loads as corrupt
     import tests.hooks.failed_attach_stuck as failed
     import tests.hooks.old_release as old
+    import tests.hooks.stalled_reads as stalled
     import tests.hooks.stuck_attach as stuck
     import benchmarks.hops.trace_hook as trace  # the benchmarks' tracing hook: the same rule
 
-    for module in (corrupt, failed, old, stuck, trace):
+    for module in (corrupt, failed, old, stalled, stuck, trace):
         classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
                    if issubclass(c, Instruments) and c is not Instruments]
         assert classes, f"{module.__name__}: no Instruments subclass"

@@ -9,6 +9,11 @@ What is promised (invariants 1 and 7, docs/invariants.md), checked after every s
 (3) every job is reported exactly once (the Reporter raises on a duplicate or unknown report), and by
     the end every job was reported.
 
+With a deferred release (vLLM 0.34: the consumer's adapter takes a failed load before its reads settle), a load may
+be reported failed while cancelled reads are still posted: the rows of the keys it did not report moved stay vLLM's
+"write pending" (out of its free pool) until the session's JobSettled, and only then are reused; the rows of the keys
+it reported moved are reused at once.  (1) then reads: no byte lands in a row vLLM can reuse.
+
 The adversary (a fake data plane and the test's scheduler) may delay, reorder, split and fail copies and
 completions arbitrarily (a cancelled read may still copy and report DONE, at any time), advance time, tick,
 lose the link and reconnect, with the two sides' clocks far apart.  A load whose reads never settle is never
@@ -34,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2pworker.protocol import messages as m
-from p2pworker.session import JobDone
+from p2pworker.session import JobDone, JobSettled
 from tests.helpers.session import REUSED, Pair
 
 REQS = ["r0", "r1"]
@@ -58,6 +63,7 @@ rare = [
     st.tuples(st.just("reconnect"), st.sampled_from(["a", "b", "both"])),
     st.tuples(st.just("done"), st.sampled_from(REQS)),  # the consumer's request ended: Done to the producer
     st.tuples(st.just("drain"), st.booleans()),  # the producer's vLLM drains (ResetCache; with or without loads)
+    st.tuples(st.just("reset")),  # the consumer's vLLM resets its cache: its loads are cancelled (ResetCache)
 ]
 # time and the two sides' timers run separately: a consumer that has not ticked past its deadline yet must
 # still judge a read by it, and a producer's lease may end while the consumer is stalled
@@ -77,9 +83,10 @@ class Violation(AssertionError):
 
 
 class Model:
-    def __init__(self, seed: int, same_host: bool = False):
+    def __init__(self, seed: int, same_host: bool = False, deferred: bool = False):
         self.same_host = same_host
-        self.p = Pair(skew_s=random.Random(seed).uniform(-1e5, 1e5)).handshake()
+        self.p = Pair(skew_s=random.Random(seed).uniform(-1e5, 1e5), a={"deferred_release": deferred}).handshake()
+        self.deferred: dict[int, list[int]] = {}  # load reported unsettled -> its rows vLLM keeps until JobSettled
         self.rng = random.Random(seed)
         self.next_job = 1
         self.next_lookup = 1
@@ -96,7 +103,9 @@ class Model:
 
     def landed(self, tid: int, row: int, content: bytes) -> None:
         owner = self.row_owner.get(row)
-        if owner is None or not self.p.a.reporter.is_open(owner):
+        if owner is not None and not self.p.a.reporter.is_open(owner):
+            self.take_reports()  # reported in this very step (an unsettled report): which rows vLLM still holds
+        if owner is None or not (self.p.a.reporter.is_open(owner) or row in self.deferred.get(owner, ())):
             raise Violation(f"read {tid} landed {content!r} in consumer row {row} after its load was reported")
 
     def job(self) -> int:
@@ -187,6 +196,7 @@ class Model:
         "finish": lambda self, o: self.p.b.finish(o[1]),
         "done": lambda self, o: self.p.a.done(o[1]),
         "drain": lambda self, o: self.p.b.reset("vLLM is shutting down", loads=o[1]),
+        "reset": lambda self, o: self.p.a.run(self.p.sa, self.p.sa.cancel_loads("vLLM reset its cache")),
         "deliver": lambda self, o: self.p.deliver(o[1]),
         "advance": lambda self, o: self.p.advance(o[1]),
         "tick": lambda self, o: self.tick(o[1]),
@@ -242,7 +252,16 @@ class Model:
             leased = [q.lease for q in lot.parcels.values() if q.lease is not None]
             assert lot.leases == len(leased) and lot.offering == sum(1 for x in leased if x.offered), \
                 (lot.leases, lot.offering, [(len(x.offered)) for x in leased])
+        self.take_reports()
+
+    def take_reports(self) -> None:
+        """What the two reporters said since the last look, applied as vLLM does (rows reused, or held)."""
+        p = self.p
+        a = p.a
         for ev in a.events() + p.b.events():
+            if isinstance(ev, JobSettled):  # vLLM's deferred release: the failed keys' rows are reused from now
+                self.reuse(self.deferred.pop(ev.job_id))
+                continue
             if not isinstance(ev, JobDone):
                 continue
             assert ev.job_id in self.opened, f"report for unknown job {ev.job_id}"
@@ -255,14 +274,24 @@ class Model:
                     if a.region[granted[k]] != k:
                         raise Violation(f"load {ev.job_id} reported {k!r} moved but its row holds "
                                         f"{a.region[granted[k]]!r}")
-                for r in granted.values():  # vLLM reuses the rows at once
-                    a.region[r] = CANARY
-                    del self.row_owner[r]
-                    self.free_a.append(r)
+                if ev.settled:
+                    self.reuse(granted.values())  # vLLM reuses the rows at once
+                else:
+                    assert not ev.success, f"load {ev.job_id} reported a success unsettled"
+                    moved = set(ev.keys)
+                    self.reuse(r for k, r in granted.items() if k in moved)
+                    self.deferred[ev.job_id] = [r for k, r in granted.items() if k not in moved]
             else:
                 for r in self.stores.pop(ev.job_id):
                     p.b.region[r] = REUSED  # vLLM reuses the producer's rows at once
                     self.free_b.append(r)
+
+    def reuse(self, rows) -> None:
+        """vLLM takes consumer rows back (and writes into them at once)."""
+        for r in list(rows):
+            self.p.a.region[r] = CANARY
+            del self.row_owner[r]
+            self.free_a.append(r)
 
     def finish(self) -> None:
         """Let everything run out: every job must then have been reported."""
@@ -290,6 +319,7 @@ class Model:
         assert not p.b.session.asking(), "an asking round outlived the run"
         assert all(s.counters.unsettled_reads for s, _ in p.a.aborts), "an abort without a reason"
         assert set(self.reported) == self.opened, f"never reported: {self.opened - set(self.reported)}"
+        assert not self.deferred, f"reported unsettled, never settled: {sorted(self.deferred)}"
         assert p.a.reporter.open_lookups == 0
 
 
@@ -297,6 +327,18 @@ class Model:
 @given(st.lists(op, min_size=5, max_size=80), st.integers(0, 2**32))
 def test_random_interleavings_keep_every_invariant(ops, seed):
     model = Model(seed)
+    for o in ops:
+        model.step(o)
+    model.finish()
+    assert model.p.sa.counters.protocol_errors == 0 and model.p.sb.counters.protocol_errors == 0
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=5, max_size=80), st.integers(0, 2**32))
+def test_random_interleavings_with_deferred_releases_keep_every_invariant(ops, seed):
+    """vLLM 0.34's deferred release: loads that cannot succeed are reported at once, unsettled; no byte may land in a
+    row vLLM reuses, every unsettled report is settled once, and every job is still reported once."""
+    model = Model(seed, deferred=True)
     for o in ops:
         model.step(o)
     model.finish()
@@ -350,6 +392,11 @@ SCHEDULES = {
     "stalled_copy_after_the_deadline": [("store", "r0", [b"k0", b"k1"]), ("load", "r0", [b"k0", b"k1"]),
                                         ("deliver", None), ("advance", 31.0), ("tick", "both"), ("copy", 0, 3),
                                         ("settle", 0, True), ("deliver", None)],
+    # the consumer's vLLM resets mid-read (a load reported at once under a deferred release): the cancelled read
+    # still copies, then settles; it must land only in rows vLLM still holds
+    "reset_mid_read_then_the_read_lands": [("store", "r0", [b"k0", b"k1"]), ("load", "r0", [b"k0", b"k1"]),
+                                           ("deliver", None), ("reset",), ("copy", 0, 2), ("load", "r1", [b"k2"]),
+                                           ("settle", 0, True), ("deliver", None)],
     # one round trip: the producer's engine answers only after the consumer's deadline; the rows it pins then must
     # never be read into rows the consumer already gave back, and its store job still ends
     "ask_answered_after_the_consumer_deadline": [("load", "r0", [b"k0", b"k1"], True), ("deliver", None),
@@ -362,9 +409,10 @@ SCHEDULES = {
 }
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["settled", "deferred_release"])
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_adversarial_schedules(name):
-    model = Model(7)
+def test_adversarial_schedules(name, deferred):
+    model = Model(7, deferred=deferred)
     for o in SCHEDULES[name]:
         model.step(o)
     model.finish()

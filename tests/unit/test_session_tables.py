@@ -15,6 +15,7 @@ from p2pworker.session import SessionConfig, client, parking, server, session
 from p2pworker.session.client import LOAD_MOVES, LoadEvent, LoadPhase
 from p2pworker.session.core import MOVES, CloseCause, SessionEvent, State, close_text
 from p2pworker.session.moves import IllegalMove, move
+from p2pworker.session.reporter import JobDone, JobSettled
 from p2pworker.session.parking import LEASE_MOVES, LeaseEvent, LeasePhase
 from tests.helpers.session import KEYS, Pair
 
@@ -91,15 +92,16 @@ def test_start_twice_is_refused():
 
 
 # ---------------------------------------------------------------- a load
-def _load_in(phase: LoadPhase):
-    """A pair whose consumer has one load in ``phase`` (a read pending from FINAL on); returns (pair, its round)."""
-    p = Pair(a={"config": CFG}).handshake()
+def _load_in(phase: LoadPhase, deferred: bool = False):
+    """A pair whose consumer has one load in ``phase`` (a read pending from FINAL on); returns (pair, its round).
+    ``deferred``: the consumer's adapter takes loads reported before their reads settle (DEFERRED implies it)."""
+    p = Pair(a={"config": CFG, "deferred_release": deferred or phase is LoadPhase.DEFERRED}).handshake()
     if phase is not LoadPhase.WAITING:
         p.b.store(1, "req", KEYS[:1], [10])
     p.a.load(100, "req", KEYS[:1], [0])
     p.deliver()
     rnd = p.sa.last_round
-    if phase in (LoadPhase.SETTLING, LoadPhase.STUCK):
+    if phase in (LoadPhase.SETTLING, LoadPhase.STUCK, LoadPhase.DEFERRED):
         p.advance(CFG.load_timeout_s)
         p.a.tick()
     if phase is LoadPhase.STUCK:
@@ -107,6 +109,18 @@ def _load_in(phase: LoadPhase):
         p.a.tick()
     assert p.sa.load_phase(rnd) is phase
     return p, rnd
+
+
+def _short_with_a_read_past_the_gap(p: Pair) -> int:
+    """A load of two keys whose peer offers the second, then says (final) it lacks the first: the read of the
+    second is useless to vLLM, which recomputes from the first.  Returns the round."""
+    p.a.load(100, "req", KEYS[:2], [0, 1])
+    p.deliver()
+    rnd = p.sa.last_round
+    p.a.receive(m.encode(m.Offer("req", rnd, [KEYS[1]], [11], False, "")))
+    assert len(p.a.data.reads) == 1
+    p.a.receive(m.encode(m.Offer("req", rnd, [], [], True, "not held")))
+    return rnd
 
 
 def _apply(p: Pair, rnd: int, event: LoadEvent) -> None:
@@ -129,7 +143,7 @@ def _apply(p: Pair, rnd: int, event: LoadEvent) -> None:
             p.a.settle(tid, ok=phase is LoadPhase.FINAL)
 
 
-LOAD_ROWS = [k for k in LOAD_MOVES if k[1] is not LoadEvent.NO_HANDSHAKE]
+LOAD_ROWS = [k for k in LOAD_MOVES if k[1] not in (LoadEvent.NO_HANDSHAKE, LoadEvent.REPORTED_EARLY)]
 
 
 @pytest.mark.parametrize("row", LOAD_ROWS, ids=[f"{s.name}-{e.name}" for s, e in LOAD_ROWS])
@@ -141,6 +155,40 @@ def test_every_load_move_is_taken(row, taken):
     assert [t for t in taken if isinstance(t[0], LoadPhase)][0] == (phase, event, LOAD_MOVES[row])
     if LOAD_MOVES[row] is LoadPhase.REPORTED:
         assert p.a.reporter.open_jobs == 0 and p.sa.load_phase(rnd) is None and not p.sa.open_rounds()
+
+
+def test_a_cancelled_load_with_reads_posted_is_reported_at_once_unsettled_where_vllm_defers_the_release(taken):
+    """SETTLING -> DEFERRED: the deadline passes with a read posted; the job is reported failed now (settled
+    False), and settled once the read settles."""
+    p, rnd = _load_in(LoadPhase.FINAL, deferred=True)
+    del taken[:]
+    _apply(p, rnd, LoadEvent.DEADLINE)
+    assert (LoadPhase.SETTLING, LoadEvent.REPORTED_EARLY, LoadPhase.DEFERRED) in taken
+    [done] = [e for e in p.a.reporter.take() if isinstance(e, JobDone)]
+    assert (done.job_id, done.success, done.settled) == (100, False, False)
+    assert p.a.reporter.open_jobs == 1  # owed its JobSettled
+    _apply(p, rnd, LoadEvent.SETTLED)
+    assert [e for e in p.a.reporter.take() if isinstance(e, JobSettled)] == [JobSettled(100)]
+    assert p.a.reporter.open_jobs == 0
+
+
+def test_a_short_final_offer_cancels_the_reads_past_the_gap_and_reports_at_once(taken):
+    """FINAL -> DEFERRED: the only read posted is of a key past the first one the peer lacks."""
+    p = Pair(a={"config": CFG, "deferred_release": True}).handshake()
+    rnd = _short_with_a_read_past_the_gap(p)
+    assert (LoadPhase.FINAL, LoadEvent.REPORTED_EARLY, LoadPhase.DEFERRED) in taken
+    [done] = [e for e in p.a.reporter.take() if isinstance(e, JobDone)]
+    assert not done.success and not done.settled and done.keys == () and done.reason == "not held"
+    assert all(r.cancelled for r in p.a.data.reads.values()), "the read past the gap was not cancelled"
+    assert p.sa.load_phase(rnd) is LoadPhase.DEFERRED
+
+
+def test_without_deferred_release_a_short_load_waits_for_its_reads():
+    p = Pair(a={"config": CFG}).handshake()
+    rnd = _short_with_a_read_past_the_gap(p)
+    assert p.sa.load_phase(rnd) is LoadPhase.FINAL
+    assert not [e for e in p.a.reporter.take() if isinstance(e, JobDone)]
+    assert not any(r.cancelled for r in p.a.data.reads.values())
 
 
 def test_a_load_that_never_met_its_peer_fails_at_the_handshake_timeout(taken):

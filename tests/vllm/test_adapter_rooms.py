@@ -18,8 +18,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from p2pworker import api
 from p2pworker.errors import MessageTooLarge, P2PError
 from vllm_adapter.finished import RECENT_FINISHED_MAX, RECENT_FINISHED_S, REPLAY_IN_RING_MAX, FinishedReplay
-from vllm_adapter.hints import PullPath, SourceHints
-from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind
+from vllm_adapter.hints import FAILED_S, PullPath, SourceHints
+from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind, LoadState, load_state
 from vllm_adapter.lookups import AskedLookups, PeerLookups
 from vllm_adapter.metrics import Counts
 from vllm_adapter.outbox import Outbox
@@ -319,37 +319,40 @@ def test_a_store_is_queued_then_reported_exactly_once(caplog):
 def test_a_load_is_queued_with_its_peer_and_lands_every_key():
     jobs, box, counts = book()
     keys = [key(1), key(2), key(3)]
-    assert jobs.submit(JobKind.LOAD, tjob(6, keys, load=True), "kv-p", "refused", address="10.0.0.2:5710")
+    job = tjob(6, keys, load=True)
+    assert jobs.submit(JobKind.LOAD, job, "kv-p", "refused", address="10.0.0.2:5710")
     assert box.commands == [api.LoadJob(6, "10.0.0.2:5710", "kv-p", keys, [0, 1, 2])]
     jobs.report(job_finished(6, "load"))  # success: the worker does not echo the keys
     assert jobs.take_results() == [JobResult(6, True, successful_keys=keys, transfer_time=0.25, transfer_bytes=4096)]
-    assert (counts.loads_ok, counts.loads_failed) == (1, 0) and jobs.failed_req_ids == set()
+    assert (counts.loads_ok, counts.loads_failed) == (1, 0) and not load_state(job.req_context).failed
 
 
 def test_a_partly_failed_load_reports_only_its_own_landed_keys_and_marks_the_request():
     jobs, _, counts = book()
     keys = [key(1), key(2), key(3)]
-    jobs.submit(JobKind.LOAD, tjob(6, keys, load=True), "kv-p", "refused", address="h:1")
+    job = tjob(6, keys, load=True)
+    jobs.submit(JobKind.LOAD, job, "kv-p", "refused", address="h:1")
     # the worker's list may name a key this job never asked for: vLLM requires a subset of the job's keys
     jobs.report(job_finished(6, "load", keys=[key(3), key(99)], success=False, reason="peer gone"))
     (res,) = jobs.take_results()
     assert (res.job_id, res.success, list(res.successful_keys)) == (6, False, [key(3)])
-    assert jobs.failed_req_ids == {"kv-p"} and (counts.loads_ok, counts.loads_failed) == (0, 1)
+    assert load_state(job.req_context).failed and (counts.loads_ok, counts.loads_failed) == (0, 1)
 
 
 @pytest.mark.parametrize("kind", [JobKind.STORE, JobKind.LOAD])
 def test_a_job_without_a_serving_worker_fails_at_once(kind, caplog):
     jobs, box, counts = book(serving=False)
+    job = tjob(3, [key(1)])
     with caplog.at_level(logging.WARNING, logger="vllm_adapter.tier"):
-        assert jobs.submit(kind, tjob(3, [key(1)]), "kv-x", "worker not ready", address="h:1") is False
+        assert jobs.submit(kind, job, "kv-x", "worker not ready", address="h:1") is False
     assert box.commands == [] and jobs.open == {}
     (res,) = jobs.take_results()
     assert (res.job_id, res.success) == (3, False)
     if kind is JobKind.LOAD:
-        assert list(res.successful_keys) == [] and jobs.failed_req_ids == {"kv-x"}
+        assert list(res.successful_keys) == [] and load_state(job.req_context).failed
         assert "worker not ready" in caplog.text and counts.loads_failed == 1
     else:
-        assert counts.stores_failed == 1 and jobs.failed_req_ids == set()
+        assert counts.stores_failed == 1 and job.req_context.get_state(LoadState) is None
 
 
 def test_a_load_not_to_be_sent_fails_at_once_even_with_a_serving_worker(caplog):
@@ -381,7 +384,8 @@ def test_fail_all_fails_only_open_jobs_and_only_once():
     jobs, _, counts = book()
     jobs.submit(JobKind.STORE, tjob(1, [key(1)]), "kv-a", "refused")
     t0 = time.monotonic() - 10.0  # open for ten seconds
-    jobs.submit(JobKind.LOAD, tjob(2, [key(2)]), "kv-b", "refused", address="h:1", now=t0)
+    load = tjob(2, [key(2)])
+    jobs.submit(JobKind.LOAD, load, "kv-b", "refused", address="h:1", now=t0)
     jobs.submit(JobKind.STORE, tjob(3, [key(3)]), "kv-c", "refused")
     jobs.report(job_finished(3))  # reported before the worker went: not failed again
     jobs.fail_all()
@@ -391,7 +395,7 @@ def test_fail_all_fails_only_open_jobs_and_only_once():
     assert (results[1].success, results[2].success, results[3].success) == (False, False, True)
     assert results[2].transfer_time >= 10.0  # its age, from the submit time given
     assert (counts.stores_ok, counts.stores_failed, counts.loads_failed) == (1, 1, 1)
-    assert jobs.failed_req_ids == {"kv-b"}
+    assert load_state(load.req_context).failed
 
 
 def test_refuse_ends_an_open_jobs_command_once_and_leaves_other_commands():
@@ -412,10 +416,11 @@ def test_an_outbox_refusal_fails_its_job_through_the_book():
     counts = Counts()
     box = Outbox(sup, lambda cmd, why: jobs.refuse(cmd, why))
     jobs = JobBook("w", box, counts)
-    jobs.submit(JobKind.LOAD, tjob(1, [key(1)]), "kv-a", "refused", address="h:1")
+    load = tjob(1, [key(1)])
+    jobs.submit(JobKind.LOAD, load, "kv-a", "refused", address="h:1")
     client.too_large.append(box.commands[0])
     box.flush()
-    assert client.sent == [] and jobs.open == {} and jobs.failed_req_ids == {"kv-a"}
+    assert client.sent == [] and jobs.open == {} and load_state(load.req_context).failed
     assert [(r.job_id, r.success) for r in jobs.take_results()] == [(1, False)] and counts.loads_failed == 1
 
 
@@ -519,13 +524,16 @@ def test_a_one_trip_load_that_falls_short_reports_what_landed_counts_and_hints_t
     jobs.report(api.JobFinished(7, "load", False, [key(1)], 4096, 0.01, "the producer's engine does not hold them"))
     (res,) = jobs.take_results()
     assert res.success is False and list(res.successful_keys) == [key(1)]  # vLLM keeps key 1, recomputes from 2
-    assert "kv-a" in jobs.failed_req_ids  # the request's later lookups MISS
+    assert load_state(job.req_context).failed  # the request's later lookups MISS
     assert (counts.pull_keys_landed, counts.pull_keys_missed, counts.loads_short, counts.loads_failed) == (1, 2, 1, 0)
     assert hints.path("h:1", key(2)) is PullPath.ASK_FIRST and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+    # only the first key it did not bring is known missing: the source asks its engine for the prefix only
+    assert hints.path("h:1", key(3)) is PullPath.ONE_TRIP
 
 
-def test_a_one_trip_load_that_fails_for_another_reason_is_a_failure_and_hints_nothing():
-    """Timed out, refused, its peer or worker lost: not the source's answer, so nothing is learnt of what it holds."""
+def test_a_one_trip_load_that_fails_for_another_reason_is_a_failure_and_makes_the_source_ask_first():
+    """Timed out, refused, its peer lost: not the source's answer, so nothing is learnt of what it holds; but the
+    source itself failed, so its next pulls ask first (they allocate nothing) until it answers again."""
     box, _, _ = outbox()
     counts, hints = Counts(), SourceHints()
     jobs = JobBook("w", box, counts, hints=hints)
@@ -534,23 +542,51 @@ def test_a_one_trip_load_that_fails_for_another_reason_is_a_failure_and_hints_no
     jobs.submit(JobKind.LOAD, job, "kv-a", "refused", address="h:1", ask=True)
     jobs.report(api.JobFinished(7, "load", False, [], 0, 0.01, "fetch timed out on the producer"))
     assert (counts.loads_short, counts.loads_failed, counts.pull_keys_missed) == (0, 1, 2)
-    assert len(hints) == 0 and "kv-a" in jobs.failed_req_ids
+    assert len(hints) == 0 and load_state(job.req_context).failed
+    assert hints.failing("h:1") == "fetch timed out on the producer"
+    assert hints.path("h:1", key(9)) is PullPath.ASK_FIRST and hints.path("h:2", key(9)) is PullPath.ONE_TRIP
+    hints.answered("h:1")  # it answered a lookup: one trip again
+    assert hints.path("h:1", key(9)) is PullPath.ONE_TRIP
 
 
-def test_a_load_that_fails_after_its_request_ended_leaves_no_failed_id_behind():
-    """vLLM ends a request without waiting for its promotions (an abort mid-pull): the load's later failure must not
-    make a new request under the same kv_request_id MISS."""
+@pytest.mark.parametrize("reason", ["vLLM reset its cache", "vLLM is shutting down", ""])
+def test_a_one_trip_load_we_cancelled_or_whose_worker_went_does_not_blame_the_source(reason):
+    box, _, _ = outbox()
+    hints = SourceHints()
+    jobs = JobBook("w", box, Counts(), hints=hints)
+    job = TransferJob(job_id=7, keys=[key(1)], chunk_ids=np.array([4]), is_promotion=True, req_context=ctx())
+    jobs.submit(JobKind.LOAD, job, "kv-a", "refused", address="h:1", ask=True)
+    if reason:
+        jobs.report(api.JobFinished(7, "load", False, [], 0, 0.01, reason))
+    else:
+        jobs.fail_all()  # our worker died
+    assert hints.failing("h:1") is None and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+
+
+def test_a_source_failing_expires_after_failed_s():
+    now = [0.0]
+    hints = SourceHints(lambda: now[0])
+    hints.failed("h:1", "refused")
+    assert hints.path("h:1", key(1)) is PullPath.ASK_FIRST
+    now[0] = FAILED_S + 0.001
+    assert hints.failing("h:1") is None and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+
+
+def test_two_live_requests_under_one_kv_request_id_keep_their_own_failure():
+    """Sampling with n > 1, or an orchestrator that reuses kv_request_id: one request's failed load never turns the
+    other's lookups into MISS (the mark lives in each request's own context, not under the shared id)."""
     box, _, _ = outbox()
     jobs = JobBook("w", box, Counts())
-    job = TransferJob(job_id=8, keys=[key(1)], chunk_ids=np.array([4]), is_promotion=True, req_context=ctx())
-    jobs.submit(JobKind.LOAD, job, "kv-a", "refused", address="h:1", ask=True)
-    jobs.request_ended("kv-a")
+    a, b = ctx("req-a"), ctx("req-b")
+    job_a = TransferJob(job_id=8, keys=[key(1)], chunk_ids=np.array([4]), is_promotion=True, req_context=a)
+    job_b = TransferJob(job_id=9, keys=[key(1)], chunk_ids=np.array([5]), is_promotion=True, req_context=b)
+    jobs.submit(JobKind.LOAD, job_a, "kv-same", "refused", address="h:1", ask=True)
+    jobs.submit(JobKind.LOAD, job_b, "kv-same", "refused", address="h:1", ask=True)
     jobs.report(api.JobFinished(8, "load", False, [], 0, 0.01, "the producer's engine does not hold them"))
-    assert jobs.failed_req_ids == set()
-    job2 = TransferJob(job_id=9, keys=[key(1)], chunk_ids=np.array([4]), is_promotion=True, req_context=ctx())
-    jobs.submit(JobKind.LOAD, job2, "kv-a", "refused", address="h:1", ask=True)  # the id again, a live request
-    jobs.report(api.JobFinished(9, "load", False, [], 0, 0.01, "the producer's engine does not hold them"))
-    assert jobs.failed_req_ids == {"kv-a"}
+    assert load_state(a).failed and not load_state(b).failed
+    jobs.report(api.JobFinished(9, "load", True, [], 4096, 0.01, ""))
+    assert load_state(a).failed and not load_state(b).failed
+    assert load_state(a).asked and load_state(b).asked  # one asking load each
 
 
 def one_sent_ask() -> tuple[AskedLookups, Outbox, api.LookupKeys]:

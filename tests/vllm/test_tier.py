@@ -17,7 +17,9 @@ import vllm
 from p2pworker import api
 from p2pworker.errors import P2PError
 from p2pworker.session.session import SessionConfig, longest_hold_s
-from tests.helpers.vllm_engines import ROW, Engine, LookupResult, ReqContext, ScheduleEndContext, key, run_until
+from tests.helpers.vllm_engines import (
+    IDLE_ENGINE, ROW, Engine, LookupResult, ReqContext, ScheduleEndContext, idle_steps, idle_until, key, run_until,
+)
 from vllm_adapter.tier import (
     DRAIN_SLACK_S,
     M_DEATHS,
@@ -581,19 +583,7 @@ def test_a_tier_that_stopped_restarting_after_a_configuration_error_reports_no_p
         eng.close()
 
 
-NO_POLL_THREAD = {"tier_poll_interval_s": 0}  # 0.33 calls the tier only from the scheduler's steps, as 0.32 does
-
-
-def idle_steps(engine: Engine, timeout_s: float = 30.0) -> int:
-    """An engine without requests, as vLLM 0.32 runs one (no tier-poll thread): it steps only while the manager
-    says it has pending work.  Returns the steps taken; raises if the tier keeps it stepping past ``timeout_s``."""
-    deadline, n = time.monotonic() + timeout_s, 0
-    while engine.mgr.has_pending_work():
-        assert time.monotonic() < deadline, f"has_pending_work still True after {timeout_s} s of idle steps"
-        engine.step()
-        n += 1
-        time.sleep(0.002)
-    return n
+NO_POLL_THREAD = {"tier_poll_interval_s": 0}  # 0.33+ call the tier only from the scheduler's steps, as 0.32 does
 
 
 def _kill_if_alive(pid: int | None) -> None:
@@ -666,8 +656,10 @@ def test_a_restarted_producer_worker_becomes_ready_while_vllm_idles_and_a_late_f
     _restarted(prefill)
     prefill.store("p-r1", [5], {"remote_decoder": {"kv_request_id": "kv-restart-1"}})  # worker not ready: fails
     assert prefill.tier.counters()["stores_failed"] == 1
-    idle_steps(prefill)  # bounded: True only until the worker is ready
-    assert prefill.tier.supervisor.ready, "vLLM stopped stepping before the restarted worker's Ready was read"
+    # bounded: the tier asks for steps only until the worker is ready (0.32, 0.33); 0.34 idles at once, and its
+    # tier-poll thread reads the Ready
+    idle_until(prefill, lambda: prefill.tier.supervisor.ready,
+               "vLLM stopped stepping before the restarted worker's Ready was read")
     _, took, ok = pd_fetch(decode, prefill, "d-r1", "kv-restart-1", [5])
     assert took < 5.0, f"the fetch for a request the producer finished before its worker was ready took {took:.1f} s"
     assert not ok
@@ -695,7 +687,7 @@ def test_a_restarted_worker_that_never_says_ready_is_killed_after_start_timeout_
         # its successor starts on a box busy with the last test's leftovers: held to the usual bound, not to 3 s,
         # which a slow start may pass (then it is killed too, and the count below is off)
         sup.start_s = usual
-        idle_steps(eng, timeout_s=60)  # until the next one is ready
+        idle_until(eng, lambda: sup.ready, "the next worker's Ready was never read", timeout_s=60)
         assert sup.ready and sup.client.proc.pid != stuck and eng.tier.restarts == 2
         assert took >= 3.0, f"killed after {took:.1f} s, before start_timeout_s"
         with pytest.raises(ProcessLookupError):
@@ -722,7 +714,7 @@ def test_an_operator_worker_relaunched_while_vllm_idles_knows_the_requests_that_
     operator.launch("--host", "127.0.0.1", "--port", str(port))
     prefill = decode = None
     try:
-        prefill = Engine("oip", free_port(), rings=operator.prefix, engine_extra=NO_POLL_THREAD)
+        prefill = Engine("oip", free_port(), rings=operator.prefix, engine_extra=IDLE_ENGINE)
         decode = Engine("oid", free_port())
         assert prefill.tier.worker_address == address
         operator.workers[0].kill()  # the operator's worker dies
@@ -749,9 +741,10 @@ def test_an_operator_worker_relaunched_while_vllm_idles_knows_the_requests_that_
         for kv in ("kv-idle", f"kv-gone-{many - 1}"):
             _, took, ok = pd_fetch(decode, prefill, f"d-{kv}", kv, [4], address, producer_steps=False)
             assert took < 5.0 and not ok, f"the fetch for {kv}, finished before the relaunch, took {took:.1f} s"
-        assert not prefill.tier.supervisor.ready  # the relaunched worker's Ready is still unread
-        idle_steps(prefill)  # the next request came: vLLM calls the tier, which reads the Ready
-        assert prefill.tier.supervisor.ready
+        if not prefill.poll_thread:
+            assert not prefill.tier.supervisor.ready  # the relaunched worker's Ready is still unread
+        # 0.32/0.33: the next request came, vLLM calls the tier, which reads the Ready; 0.34: the poll thread read it
+        idle_until(prefill, lambda: prefill.tier.supervisor.ready, "the relaunched worker's Ready was never read")
         _, took, ok = pd_fetch(decode, prefill, "d-gone-0", "kv-gone-0", [3])
         assert took < 5.0 and not ok, f"the fetch for the oldest, which the ring had no room for, took {took:.1f} s"
         assert decode.tier.counters()["loads_failed"] == 3  # all MISS: vLLM recomputes
@@ -814,7 +807,7 @@ def test_a_worker_stuck_before_ready_that_outlives_its_sigkill_is_given_up(free_
     operator.launch("--host", "127.0.0.1", "--port", str(port))
     prefill = decode = None
     try:
-        prefill = Engine("osp", free_port(), rings=operator.prefix, engine_extra=NO_POLL_THREAD)
+        prefill = Engine("osp", free_port(), rings=operator.prefix, engine_extra=IDLE_ENGINE)
         decode = Engine("osd", free_port())
         prefill.tier.supervisor.start_s = 2.0  # start_timeout_s, shortened for the restarts only
         first = prefill.tier.supervisor.client
@@ -832,7 +825,9 @@ def test_a_worker_stuck_before_ready_that_outlives_its_sigkill_is_given_up(free_
             assert stuck.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
         t0 = time.monotonic()
-        idle_steps(prefill, timeout_s=30)  # steps while it starts, then past start_timeout_s + KILL_RETRY_S
+        # steps while it starts, then past start_timeout_s + KILL_RETRY_S (0.32/0.33); 0.34's poll thread does it
+        idle_until(prefill, lambda: prefill.tier.supervisor.client not in (None, stuck_rings),
+                   "the stuck worker was never given up", timeout_s=30)
         took = time.monotonic() - t0
         assert kills and kills[0] is stuck_rings
         assert took >= 2.0 + 1.0, f"given up after {took:.1f} s, before start_timeout_s + KILL_RETRY_S"

@@ -1,0 +1,106 @@
+"""A symmetric pull that cannot land ends at once and costs the puller nothing, under the real tiering managers.
+
+- A puller whose CPU tier has less room than the prompt: vLLM promotes what fits; its LRU then evicts the request's
+  own landed chunks to promote the rest, and a tier that answered HIT again would start another asking round each
+  pass (the pull churns).  At most one asking load per request: later passes MISS, vLLM recomputes the rest.
+- A source that cannot be reached: the first one-trip pull allocates a row per promised key (evicting the puller's
+  other ready chunks) and fails; while the source is known down, later pulls recompute at once and evict nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, run_until
+
+
+@pytest.fixture
+def small(free_port):
+    """(a source with room for 16 chunks, a puller with room for 4)."""
+    owner, reader = Engine("bnown", free_port(), num_chunks=16), Engine("bnrd", free_port(), num_chunks=4)
+    yield owner, reader
+    for e in (reader, owner):
+        e.close()
+
+
+def pull(reader: Engine, address: str, rid: str, kv: str) -> ReqContext:
+    host, port = address.split(":")
+    ctx = ReqContext(req_id=rid, kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
+    with reader.lock:
+        reader.mgr.on_new_request(ctx)
+    return ctx
+
+
+def passes(reader: Engine, owner: Engine | None, ctx: ReqContext, ids: list[int], n: int) -> list[list]:
+    """``n`` scheduler passes over the request: its lookups, a step, until no job of the puller is open."""
+    seen = []
+    for i in range(n):
+        seen.append(reader.lookup(ctx, ids))
+        reader.step([ctx.req_id] if i == 0 else [])
+        run_until([reader] + ([owner] if owner is not None else []), reader.idle, timeout_s=20)
+    return seen
+
+
+def test_a_prompt_larger_than_the_pullers_cpu_tier_is_pulled_once_then_recomputed(small):
+    owner, reader = small
+    ids = list(range(100, 108))  # 8 chunks; the puller has room for 4
+    owner.store("own", ids)
+    run_until([owner], owner.idle)
+    ctx = pull(reader, owner.tier.worker_address, "big", "big-1")
+    t0 = time.monotonic()
+    seen = passes(reader, owner, ctx, ids, 8)
+    took = time.monotonic() - t0
+    assert seen[0][:4] == [LookupResult.HIT_PENDING] * 4  # what fits is promoted and pulled
+    for later in seen[1:]:  # never promoted again: the rest is recomputed
+        assert LookupResult.HIT_PENDING not in later, seen
+    c = reader.tier.counters()
+    assert c["loads_ok"] + c["loads_short"] + c["loads_failed"] == 1, c  # one asking load, not one per pass
+    assert c["pulls_one_trip"] == 1 and c["pull_keys_landed"] == 4
+    assert took < 10.0
+    with reader.lock:
+        reader.mgr.on_request_finished(ctx)
+
+
+def test_a_dead_source_evicts_the_pullers_cache_once_and_then_nothing(small, free_port):
+    owner, reader = small
+    mine = list(range(200, 204))  # the puller's own ready chunks (another conversation): its whole CPU tier
+    reader.store("mine", mine)
+    run_until([reader], reader.idle)
+    mine_ctx = ReqContext(req_id="mine-again", kv_transfer_params=None)
+
+    def cached() -> int:
+        with reader.lock:
+            reader.mgr.on_new_request(mine_ctx)
+        got = sum(r is LookupResult.HIT for r in reader.lookup(mine_ctx, mine))
+        with reader.lock:
+            reader.mgr.on_request_finished(mine_ctx)
+        return got
+
+    assert cached() == 4
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    first = pull(reader, dead, "dead-0", "dead-0")
+    t0 = time.monotonic()
+    seen = passes(reader, None, first, [300, 301, 302, 303], 3)
+    first_s = time.monotonic() - t0
+    assert seen[0] == [LookupResult.HIT_PENDING] * 4  # promised in one trip: rows allocated, the puller's evicted
+    assert seen[-1] == [LookupResult.MISS] * 4 and reader.tier.counters()["loads_failed"] == 1
+    after_first = cached()
+    assert reader.tier.hints.down(dead), "an unreachable source is not known down"
+    times = []
+    for i in range(1, 6):  # a burst naming the dead source: each answered MISS at once, nothing allocated
+        ctx = pull(reader, dead, f"dead-{i}", f"dead-{i}")
+        t0 = time.monotonic()
+        assert passes(reader, None, ctx, [310 + i, 320 + i], 1) == [[LookupResult.MISS] * 2]
+        times.append(time.monotonic() - t0)
+        with reader.lock:
+            reader.mgr.on_request_finished(ctx)
+    assert cached() == after_first, "a pull to a source known dead evicted the puller's chunks"
+    assert max(times) < 1.0, f"answering a pull to a dead source took {max(times):.2f} s"
+    assert reader.tier.counters()["loads_failed"] == 1  # no more loads were sent
+    print(f"first pull to the dead source: {first_s:.2f} s, {4 - after_first} of 4 chunks evicted; "
+          f"the next 5: {max(times) * 1000:.1f} ms at most, nothing evicted")
+    with reader.lock:
+        reader.mgr.on_request_finished(first)
