@@ -148,6 +148,20 @@ def kv_transfer_config(engine_id: str, tiers: list[dict], cpu_bytes: int = 64 <<
                                           "offload_prompt_only": True, "secondary_tiers": tiers}}
 
 
+def venv_env(python: str) -> dict[str, str]:
+    """What a venv asks for to serve (its p2pw-env.sh, as scripts/pd.sh sources it: scripts/vllm_cpu034.sh writes
+    one naming the kernel library of its CPU build of vLLM 0.34); {} for a venv without one."""
+    path = os.path.join(os.path.dirname(os.path.dirname(python)), "p2pw-env.sh")
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    for line in open(path).read().splitlines():
+        if line.startswith("export ") and "=" in line:
+            k, v = line[len("export "):].split("=", 1)
+            out[k.strip()] = v.strip().strip("'\"")
+    return out
+
+
 def new_engine_id(tag: str) -> str:
     return f"p2pw-{tag}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -170,8 +184,9 @@ class Engine:
                 "--host", host, "--port", str(http), "--kv-transfer-config", json.dumps(kv),
                 "--shutdown-timeout", "10", "--enforce-eager", "--dtype", "float32", "--max-model-len",
                 str(max_model_len), "--max-num-seqs", "8", *args]
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "P2PWORKER_SECRET": secret, "VLLM_RPC_BASE_PATH": self.rpc,
-                    "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        full_env = {**os.environ, **venv_env(python), "HF_HUB_OFFLINE": "1", "P2PWORKER_SECRET": secret,
+                    "VLLM_RPC_BASE_PATH": self.rpc, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1",
+                    **(env or {})}
         # inside a host nsenter starts the command at that host's root (its own mount namespace): env -C puts it
         # back where cwd= puts it here
         run = inside(["env", "-C", ROOT, *argv]) if inside else argv

@@ -15,8 +15,9 @@ import msgspec
 from p2pworker.limits import MAX_JOB_KEYS, RING_MAX_MESSAGE_BYTES  # noqa: F401  (the adapter checks against them)
 # a load that fell short says NOT_HELD (vllm_adapter/jobs.py); a PeerLookup whose id is_ask is a one-trip load's
 from p2pworker.protocol.messages import NOT_HELD, is_ask  # noqa: F401
-# a load or lookup that never reached its peer starts with one of PEER_DOWN (vllm_adapter/hints.py)
-from p2pworker.session.client import PEER_DOWN  # noqa: F401
+# a load or lookup that never reached its peer starts with one of PEER_DOWN; one its peer failed, with one of
+# PEER_FAILED (vllm_adapter/hints.py: only those make a source ask first)
+from p2pworker.session.client import PEER_DOWN, PEER_FAILED  # noqa: F401
 from p2pworker.shm.region import RegionHandle
 
 Scalar = Union[str, int, float, bool, None]

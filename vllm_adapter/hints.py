@@ -16,7 +16,7 @@ source itself failed a pull (dead, refusing, unreachable, of another model, too 
 fetch) within ``FAILED_S``.  A failed one-trip load has made vLLM allocate a CPU row for every promised key, evicting
 other requests' ready chunks, before it failed; asking first allocates nothing, so while a source is failing its
 pulls cost the puller's cache nothing.  A source that could not be reached at all (``down``) is not even asked: its
-pulls recompute at once until FAILED_S has passed, then one pull tries it again.  A hint picks the path, never
+pulls recompute at once until FAILED_S has passed; then they ask first until it answers.  A hint picks the path, never
 an answer (but for ``down``: MISS, a recompute), so a stale hint costs time, not correctness.  Bounded
 (``HINT_MAX`` entries, oldest dropped first), per (source, key) and per source, fed by the loads' and the lookups'
 outcomes.
@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterable
 
-from p2pworker.api import PEER_DOWN
+from p2pworker.api import PEER_DOWN, PEER_FAILED
 
 HINT_S = 10.0  # a key a source lacked is expected missing there this long
 HINT_MAX = 65_536  # (source, key) entries kept at most: ~10 MB at vLLM's 32-byte keys
@@ -65,25 +65,28 @@ class SourceHints:
     def failing(self, address: str) -> str | None:
         """Why ``address`` failed a pull within FAILED_S (None: it did not)."""
         entry = self._failing.get(address)
-        if entry is None:
-            return None
-        if entry[0] <= self.clock():
-            del self._failing[address]
-            return None
-        return entry[1]
+        return entry[1] if entry is not None and entry[0] > self.clock() else None
 
     def path(self, address: str, first_key: bytes) -> PullPath:
-        """How a request whose first looked-up key is ``first_key`` pulls from ``address``."""
-        if self.failing(address) is not None or self.missing(address, first_key):
+        """How a request whose first looked-up key is ``first_key`` pulls from ``address``: asking first while the
+        source failed and has not answered since (past FAILED_S too: a lookup allocates nothing, so a source that is
+        still dead costs the puller's cache nothing; its answer ends that), or lately lacked that key."""
+        if address in self._failing or self.missing(address, first_key):
             return PullPath.ASK_FIRST
         return PullPath.ONE_TRIP
 
-    def failed(self, address: str, why: str) -> None:
-        """``address`` failed a pull for a reason of its own (not what it holds): ask it first for FAILED_S."""
+    def failed(self, address: str, why: str) -> bool:
+        """A pull from ``address`` failed with ``why``.  If that is the source's own failure (api.PEER_FAILED: it was
+        unreachable, or it could not serve; not a reset, our worker stopping, nor the request's own state) its pulls
+        ask first: recompute at once while it is ``down`` (FAILED_S), then ask first until it answers.  True: it
+        counts against the source."""
+        if not why.startswith(PEER_FAILED):
+            return False
         self._failing[address] = (self.clock() + FAILED_S, why)
         self._failing.move_to_end(address)
         while len(self._failing) > self.max_entries:
             self._failing.popitem(last=False)
+        return True
 
     def down(self, address: str) -> bool:
         """``address`` failed a pull within FAILED_S because it could not be reached at all (no handshake, its

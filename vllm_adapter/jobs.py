@@ -28,9 +28,6 @@ log = logging.getLogger("vllm_adapter.tier")
 # again this often while jobs are open (a request still finishing in the drain parks afresh; its consumer had this
 # long to fetch it).  Without it every stop waits out --shutdown-timeout and ends in a kill (invariant 6).
 STOP_RESET_S = 2.0
-# Reasons a load fails that are ours, not its source's (a reset, a drain, our worker stopping): they say nothing of
-# the source, so they do not make it ask first (SourceHints.failed)
-OUR_CANCELLATIONS = (api.ResetCache().reason, "vLLM is shutting down", "worker shutting down")
 
 
 class JobKind(enum.Enum):
@@ -44,10 +41,11 @@ class LoadState:
     (sampling with n > 1, orchestrators that reuse ids), so nothing of this is keyed by the id."""
 
     failed: bool = False  # a load of it failed: its later lookups answer MISS (vLLM recomputes; no re-promotion loop)
-    # a one-trip load of it went out: its later lookups answer MISS.  At most one asking load per request: when
-    # vLLM's CPU tier has less room than the prompt, it promotes what fits, then its LRU evicts the request's own
-    # landed chunks, and a HIT again would start another round, and so on (a pull that churns)
-    asked: bool = False
+    # a load of it went out: its later lookups answer MISS.  At most one load per request: when vLLM's CPU tier has
+    # less room than the prompt, it promotes what fits, then its LRU evicts the request's own landed chunks to
+    # promote the rest, and a HIT again would start another load, and so on (a pull that churns).  A request that
+    # vLLM preempts and resumes keeps its context: what it lost meanwhile is recomputed, not pulled again.
+    loaded: bool = False
 
 
 def load_state(req_context) -> LoadState:
@@ -102,8 +100,8 @@ class JobBook:
         asked for the keys when the fetch arrives).  True: queued."""
         keys = list(job.keys)  # OffloadKey is bytes
         state = load_state(job.req_context) if kind is JobKind.LOAD else None
-        if state is not None and ask:
-            state.asked = True
+        if state is not None:
+            state.loaded = True
         self.open[job.job_id] = OpenJob(kind, keys, kv_request_id, self.clock() if now is None else now, address, ask,
                                         state)
         if len(keys) > api.MAX_JOB_KEYS:
@@ -199,8 +197,7 @@ class JobBook:
             gap = next((k for k in job.keys if k not in got), None)
             if gap is not None:
                 self._hints.lacked(job.address, [gap])
-        elif reason and not reason.startswith(OUR_CANCELLATIONS):
-            # the source failed (dead, refusing, busy, another model, leased): its next pulls ask first for a while
+        else:  # the source failed (dead, refusing, busy, another model)? its next pulls ask first a while (hints.py)
             self._hints.failed(job.address, reason)
         log.info("pulled %d of %d keys of %s from %s; vLLM recomputes from the first key not loaded (%s)",
                  len(landed), len(job.keys), job.kv_request_id, job.address, reason or "worker gone")

@@ -120,8 +120,8 @@ class AskedLookups:
             self._hints.answered(address)
             self._hints.held(address, [k for k, p in zip(keys, present) if p])
             self._hints.lacked(address, [k for k, p in zip(keys, present) if not p])
-        elif present is None and address and why:  # it could not answer (dead, refusing, timed out): asked first
-            self._hints.failed(address, why)             # a while (no reason: our worker went, not the peer)
+        elif present is None and address:  # it could not answer: if the peer failed it, asked first a while
+            self._hints.failed(address, why)
         asked = self._asked.get(rid)
         if asked is None:
             return

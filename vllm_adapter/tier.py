@@ -1,6 +1,6 @@
 """P2PWorkerTier: vLLM's out-of-tree secondary tier that drives a p2pworker process.
 
-Loaded by vLLM 0.32/0.33's TieringOffloadingSpec from
+Loaded by vLLM 0.32/0.33/0.34's TieringOffloadingSpec from
 ``kv_connector_extra_config["secondary_tiers"]``::
 
     {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier",
@@ -102,7 +102,7 @@ def tier_settings(config: dict) -> tuple[TierSettings, WorkerConfig]:
 
 
 class P2PWorkerTier(SecondaryTierManager):
-    tolerates_off_thread_polling: ClassVar[bool] = True  # 0.33 reads it; 0.32 ignores it
+    tolerates_off_thread_polling: ClassVar[bool] = True  # 0.33+ read it; 0.32 ignores it
     cache_hit_source: ClassVar[Any] = CacheHitSource.P2P
 
     def __init__(
@@ -277,15 +277,13 @@ class P2PWorkerTier(SecondaryTierManager):
 
     def lookup(self, key, req_context) -> LookupResult:
         role = role_of(req_context)
-        # a failed load of this request: its lookups MISS, vLLM recomputes (no re-promotion loop)
-        if not role.kind.loads or not self.supervisor.serving or (state := load_state(req_context)).failed:
+        # a load of this request went out already (or failed): MISS, vLLM recomputes the rest (jobs.LoadState)
+        if not role.kind.loads or not self.supervisor.serving or load_state(req_context).loaded:
             return LookupResult.MISS
         if not role.kind.asks:
             return LookupResult.HIT  # the producer has (or will have) it; a failed load turns the request to MISS
         if self.lookups.path(req_context, role.address, key) is PullPath.ONE_TRIP:
-            # promised: the load asks the source, and what it lacks fails (then MISS).  Once per request: a key asked
-            # after that load went out is one vLLM's CPU tier had no room for: recomputed, not pulled round after round
-            return LookupResult.MISS if state.asked else LookupResult.HIT
+            return LookupResult.HIT  # promised: the load asks the source, and what it lacks fails (then MISS)
         if self.hints.down(role.address):  # unreachable lately: recompute now, not after another handshake timeout
             return LookupResult.MISS
         return self.lookups.lookup(role.address, role.kv_request_id, key)
@@ -427,7 +425,8 @@ def _waker(engine: EngineCore | None, poll_s: float, last_call: Callable[[], flo
         log.warning("P2PWorkerTier %s: no vLLM engine core found on the stack that built the tier: %s",
                     name, "parked stores are not ended at vLLM's shutdown drain" if poll_s > 0 else
                     "an idle engine serves peers' pulls only at its next request (the puller waits out its "
-                    "lookup_timeout_s), and parked stores are not ended at vLLM's shutdown drain")
+                    "lookup_timeout_s), and parked stores are not ended at vLLM's shutdown drain"
+                    if not VLLM.idle_needs_poll_thread else "parked stores are not ended at vLLM's shutdown drain")
     else:
         log.info("P2PWorkerTier %s: %s", name, f"vLLM's tier-poll thread serves peers every {poll_s:g} s"
                  if poll_s > 0 else "an idle engine is woken for peers' pulls (no tier-poll thread in this vLLM)")

@@ -35,6 +35,9 @@ MAX_KEYS = MAX_MSG_KEYS
 # The final Offer's reason when an asking round ends at its engine's answer: the keys not offered are not held there.
 # A consumer's load that fails with it fell short (the source lacks the rest), not failed (vllm_adapter/jobs.py).
 NOT_HELD = "the producer's engine does not hold them"
+# Other reasons a final Offer gives for keys it leaves out, that say the producer could not serve (not what it holds)
+TOO_MANY_LOOKUPS = "too many lookups in flight at the producer"
+FETCH_TIMED_OUT = "fetch timed out on the producer"
 
 
 def ask_id(round_: int) -> int:

@@ -42,6 +42,11 @@ from p2pworker.session.reporter import JobKind
 NO_HANDSHAKE = "no handshake with the peer"
 SESSION_CLOSED = "session to "
 PEER_DOWN = (NO_HANDSHAKE, SESSION_CLOSED)
+# ... and one the peer reached but could not serve in time or at all: with PEER_DOWN, the failures that are the peer's
+# (not ours, not the request's: a reset, our worker stopping, a request leased to another fetch blame nobody)
+LOAD_TIMED_OUT = "timed out after"
+LOOKUP_TIMED_OUT = "lookup timed out after"
+PEER_FAILED = PEER_DOWN + (LOAD_TIMED_OUT, LOOKUP_TIMED_OUT, m.TOO_MANY_LOOKUPS, m.FETCH_TIMED_OUT)
 
 
 class LoadPhase(enum.Enum):
@@ -296,11 +301,17 @@ class ClientRole(SessionCore):
             # Seen done at or after our deadline: the producer may have released the rows before the copy
             # ran (a SIGSTOP between post and copy, say).  Never count it.
             self.counters.late_reads += 1
-            load.reason = load.reason or "a read completed after the load's deadline and was discarded"
+            load.reason = self._worse(load.reason, "a read completed after the load's deadline and was discarded")
         else:
-            load.reason = load.reason or f"read from {self.peer_id} failed: {reason}"
+            load.reason = self._worse(load.reason, f"read from {self.peer_id} failed: {reason}")
         self._maybe_report(load)
         return self._take()
+
+    @staticmethod
+    def _worse(reason: str, failure: str) -> str:
+        """A read that failed or came late makes the load a failure even when the peer also said it lacks some keys
+        (NOT_HELD alone makes it short: the adapter then learns those keys as lacked, which a failure must not)."""
+        return failure if not reason or reason == m.NOT_HELD else reason
 
     # ------------------------------------------------------------ a load's end
     def _maybe_report(self, load: _Load) -> None:
@@ -384,7 +395,7 @@ class ClientRole(SessionCore):
         for load in list(self._loads.values()):
             if load.phase in _READING and now >= load.deadline:
                 self._settle(load, LoadEvent.DEADLINE,
-                             f"timed out after {cfg.load_timeout_s:g} s waiting for {self.peer_id}")
+                             f"{LOAD_TIMED_OUT} {cfg.load_timeout_s:g} s waiting for {self.peer_id}")
             elif (load.phase is LoadPhase.WAITING and now >= load.handshake_by
                     and self.state in (State.IDLE, State.HELLO_SENT)):
                 self._settle(load, LoadEvent.NO_HANDSHAKE,
@@ -398,7 +409,7 @@ class ClientRole(SessionCore):
             if now >= asked.deadline:
                 del self._lookups[lookup_id]
                 self.ctx.reporter.lookup_done(lookup_id, None,
-                                              f"lookup timed out after {self.ctx.config.lookup_timeout_s:g} s")
+                                              f"{LOOKUP_TIMED_OUT} {self.ctx.config.lookup_timeout_s:g} s")
 
     @property
     def open_loads(self) -> int:

@@ -68,7 +68,9 @@ class Ask(enum.Enum):
 
     NONE = "none"  # a plain Fetch: the offers end with the request's end, or when every key was offered
     ASKED = "asked"  # our engine was asked (ServeLookup); its hits arrive as store jobs and are offered
-    ANSWERED = "answered"  # it answered (or a reset ended the ask): every hit it had is parked, so the offers end now
+    ANSWERED = "answered"  # it answered: every hit it had is parked, so the offers end now
+    RESET = "reset"  # a reset ended the ask before it answered: the offers end now; what is missing says nothing of
+    # what the engine holds (the consumer must not count it short nor learn the keys as lacked)
     REFUSED = "refused"  # too many lookups in flight here: the engine was not asked, the offers end now
 
 
@@ -429,7 +431,7 @@ class ParkingLot:
             else:
                 self._finish(p)
                 if p.lease.ask is Ask.ASKED:  # the engine pins nothing more for it: its offers end now too
-                    p.lease.ask = Ask.ANSWERED
+                    p.lease.ask = Ask.RESET
                 if p.lease.owner is not None:
                     owners.append(p)
         return owners

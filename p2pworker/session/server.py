@@ -229,7 +229,7 @@ class ServerRole(SessionCore):
             lease.offered.update(zip(keys, rows))
         # While Fetch parts are still coming, "nothing pending" or "request finished" says nothing about their keys;
         # nor does an earlier end of the request while our engine is still asked for this round's.
-        ended = lease.ask in (Ask.ANSWERED, Ask.REFUSED) or (lease.ask is Ask.NONE and p.finished)
+        ended = lease.ask in (Ask.ANSWERED, Ask.REFUSED, Ask.RESET) or (lease.ask is Ask.NONE and p.finished)
         final = (not lease.more and (not lease.pending or ended)) or now >= lease.offer_until
         if not keys and not final:
             return
@@ -244,9 +244,10 @@ class ServerRole(SessionCore):
         reason = ""
         if lease.pending:
             reason = (m.NOT_HELD if lease.ask is Ask.ANSWERED
-                      else "too many lookups in flight at the producer" if lease.ask is Ask.REFUSED
+                      else m.TOO_MANY_LOOKUPS if lease.ask is Ask.REFUSED
+                      else "the producer's vLLM reset its cache before its engine answered" if lease.ask is Ask.RESET
                       else "request finished before every key was stored" if p.finished and lease.ask is Ask.NONE
-                      else "fetch timed out on the producer")
+                      else m.FETCH_TIMED_OUT)
             log.info("fetch %r round %d from %s: %d of %d keys offered: %s", p.request_id, lease.round,
                      self.peer_id, len(lease.offered), len(lease.offered) + len(lease.pending), reason)
             lease.pending.clear()

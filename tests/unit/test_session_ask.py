@@ -143,7 +143,8 @@ def test_a_reset_during_an_ask_ends_the_rounds_offers_at_once():
     p.b.reset("vLLM reset its cache", loads=False)
     p.deliver()
     a = jobs(p.a.events())[100]
-    assert a.success is False and a.keys == () and "does not hold" in a.reason
+    # a failure, not the engine's answer: the consumer must not count it short nor learn the keys as lacked
+    assert a.success is False and a.keys == () and m.NOT_HELD not in a.reason and "reset" in a.reason
     serve(p.b, ask, held=2)  # answered after the reset: pinned, never offered, ended with the request
     p.deliver()
     assert {j: e.success for j, e in jobs(p.b.events()).items()} == {1: True} and p.b.reporter.open_jobs == 0
@@ -154,3 +155,18 @@ def test_a_round_asked_twice_at_once_is_a_protocol_error():
     p.b.receive(m.encode(m.Fetch("r1", 5, [b"a"], 30_000, ask=True)))
     p.b.receive(m.encode(m.Fetch("r2", 5, [b"b"], 30_000, ask=True)))  # another request, the same round
     assert p.sb.state.name == "CLOSED" and "asked again" in p.sb.close_reason
+
+
+def test_a_short_round_whose_read_then_fails_is_a_failure_not_short():
+    """The engine held the first key only (NOT_HELD for the rest), and the read of that key failed: the load failed.
+    Kept NOT_HELD, the adapter would count it short and learn the keys as lacked at a source that holds them."""
+    p = Pair().handshake()
+    p.a.load(100, "req", KEYS[:2], [0, 1], ask=True)
+    p.deliver()
+    [ask] = asks(p.b)
+    serve(p.b, ask, held=1)
+    p.deliver()
+    [tid] = list(p.a.data.reads)
+    p.a.settle(tid, ok=False, reason="injected")
+    a = jobs(p.a.events())[100]
+    assert a.success is False and m.NOT_HELD not in a.reason and "injected" in a.reason

@@ -397,6 +397,11 @@ SCHEDULES = {
     "reset_mid_read_then_the_read_lands": [("store", "r0", [b"k0", b"k1"]), ("load", "r0", [b"k0", b"k1"]),
                                            ("deliver", None), ("reset",), ("copy", 0, 2), ("load", "r1", [b"k2"]),
                                            ("settle", 0, True), ("deliver", None)],
+    # reported unsettled at a reset, then its cancelled read outlives settle_timeout_s (the worker is told to exit),
+    # then lands after all: still only in rows vLLM holds
+    "reset_then_the_read_outlives_the_settle_timeout": [("store", "r0", [b"k0"]), ("load", "r0", [b"k0"]),
+                                                        ("deliver", None), ("reset",), ("advance", 21.0),
+                                                        ("tick", "a"), ("copy", 0, 1), ("settle", 0, True)],
     # one round trip: the producer's engine answers only after the consumer's deadline; the rows it pins then must
     # never be read into rows the consumer already gave back, and its store job still ends
     "ask_answered_after_the_consumer_deadline": [("load", "r0", [b"k0", b"k1"], True), ("deliver", None),

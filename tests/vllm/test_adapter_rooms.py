@@ -543,7 +543,7 @@ def test_a_one_trip_load_that_fails_for_another_reason_is_a_failure_and_makes_th
     jobs.report(api.JobFinished(7, "load", False, [], 0, 0.01, "fetch timed out on the producer"))
     assert (counts.loads_short, counts.loads_failed, counts.pull_keys_missed) == (0, 1, 2)
     assert len(hints) == 0 and load_state(job.req_context).failed
-    assert hints.failing("h:1") == "fetch timed out on the producer"
+    assert hints.failing("h:1") == "fetch timed out on the producer" and not hints.down("h:1")  # reached: asked
     assert hints.path("h:1", key(9)) is PullPath.ASK_FIRST and hints.path("h:2", key(9)) is PullPath.ONE_TRIP
     hints.answered("h:1")  # it answered a lookup: one trip again
     assert hints.path("h:1", key(9)) is PullPath.ONE_TRIP
@@ -563,13 +563,29 @@ def test_a_one_trip_load_we_cancelled_or_whose_worker_went_does_not_blame_the_so
     assert hints.failing("h:1") is None and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
 
 
-def test_a_source_failing_expires_after_failed_s():
+def test_an_unreachable_source_is_down_for_failed_s_then_asked_first_until_it_answers():
+    """Down (MISS at once) for FAILED_S, then asked first: a lookup allocates nothing, so a source still dead then
+    costs the puller's cache nothing either; its first answer brings back the one-trip path."""
     now = [0.0]
     hints = SourceHints(lambda: now[0])
-    hints.failed("h:1", "refused")
-    assert hints.path("h:1", key(1)) is PullPath.ASK_FIRST
+    assert hints.failed("h:1", "session to  closed: peer h:1 unreachable: connection refused")
+    assert hints.down("h:1") and hints.path("h:1", key(1)) is PullPath.ASK_FIRST
     now[0] = FAILED_S + 0.001
-    assert hints.failing("h:1") is None and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+    assert not hints.down("h:1") and hints.failing("h:1") is None
+    assert hints.path("h:1", key(1)) is PullPath.ASK_FIRST  # still: it has not answered since
+    hints.answered("h:1")
+    assert hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+
+
+@pytest.mark.parametrize("why", [
+    "vLLM reset its cache", "worker shutting down (exit)", "worker has no region attached yet",
+    "worker is draining or shutting down", "worker not ready", "not a PD consumer, or worker not ready",
+    "request is leased to another fetch (round 4) until it is released",
+    "request finished before every key was stored", "read from w2 failed: injected", ""])
+def test_failures_that_are_not_the_sources_blame_nobody(why):
+    hints = SourceHints()
+    assert not hints.failed("h:1", why)
+    assert hints.path("h:1", key(1)) is PullPath.ONE_TRIP and not hints.down("h:1")
 
 
 def test_two_live_requests_under_one_kv_request_id_keep_their_own_failure():
@@ -586,7 +602,7 @@ def test_two_live_requests_under_one_kv_request_id_keep_their_own_failure():
     assert load_state(a).failed and not load_state(b).failed
     jobs.report(api.JobFinished(9, "load", True, [], 4096, 0.01, ""))
     assert load_state(a).failed and not load_state(b).failed
-    assert load_state(a).asked and load_state(b).asked  # one asking load each
+    assert load_state(a).loaded and load_state(b).loaded  # one load each
 
 
 def one_sent_ask() -> tuple[AskedLookups, Outbox, api.LookupKeys]:

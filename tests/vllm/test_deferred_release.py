@@ -104,7 +104,7 @@ def test_a_load_the_source_answered_not_held_is_reported_before_its_read_settles
 def test_a_drain_ends_every_load_and_sets_every_deferred_release_before_it_returns(stalled):
     """vLLM's reset_cache (drain_jobs) with a load whose read is stalled: it returns only once that read settled,
     every event set (vLLM 0.34 asserts no deferred release is left), and the tier serves on."""
-    prefill, decode, flag, _ = stalled
+    prefill, decode, flag, log = stalled
     prefill.store("p-dr", [2, 3], {"remote_decoder": {"kv_request_id": "kv-dr"}})
     flag.touch()
     ctx = consume(decode, prefill, "kv-dr", [2, 3])
@@ -129,6 +129,12 @@ def test_a_drain_ends_every_load_and_sets_every_deferred_release_before_it_retur
     t.join(timeout=30)
     assert done == [None]
     assert not decode.tier.jobs.open and not decode.tier.jobs.deferred and deferred_chunks(decode) == 0
+    lines = log_lines(log)
+    if VLLM.deferred_release:  # the load was reported at once, unsettled, and settled only after its read
+        assert first(lines, "JobFinished") < first(lines, "read") < first(lines, "RowsSettled")
+        assert next(what for _, what in lines if what.startswith("JobFinished")).endswith("False")
+    else:
+        assert first(lines, "read") < first(lines, "JobFinished")
     with decode.lock:
         decode.mgr.on_request_finished(ctx)
         on_flushed = getattr(decode.mgr, "on_reset_flushed", None)
