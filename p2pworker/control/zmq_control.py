@@ -52,6 +52,13 @@ or an inbound link that is UP) or answered with RESET (an inbound identity
 that has not authenticated).  Any inbound traffic counts as alive; each
 side pings when it has sent nothing for one interval.  ``LinkDown`` is
 reported once per up-period (once in all for a link that never came up).
+
+Liveness (liveness.py): a peer's silence, and every handshake deadline, is
+measured on the run clock, which does not count our own stalls (this process
+stopped or starved of CPU: the peer's pings waited in our sockets meanwhile);
+the tick right after a stall reads and pings but judges no link.  Stalls are
+counted (``stalls``, ``stalled_ms``) and logged; links declared lost for
+silence are counted (``heartbeat_lost``).
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ from typing import Callable
 import zmq
 
 from p2pworker.control.base import SECRET_ENV, ControlTransport, DownCause, LinkDown, LinkState, LinkUp, default_port
+from p2pworker.control.liveness import RunClock, stall_bound_s
 from p2pworker.control.zmq_config import ControlConfig, advertised
 from p2pworker.control.zmq_inbound import InboundLinks
 from p2pworker.control.zmq_outbound import OutboundLinks
@@ -136,6 +144,7 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
         self._seq = 0
         self._tick_s = min(0.25, cfg.heartbeat_interval_s / 4)
         self._next_tick = clock() + self._tick_s
+        self._run = RunClock(clock(), stall_bound_s(self._tick_s))  # peers' silence: our own stalls not counted
         self._closed = False
         self._warned: OrderedDict[tuple[str, DownCause], None] = OrderedDict()  # dial failures logged (log once)
         self.counters = {
@@ -145,6 +154,9 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
             "malformed_frames": 0,
             "rejected_handshakes": 0,
             "links_down": 0,
+            "heartbeat_lost": 0,  # UP links declared lost for silence (on the run clock)
+            "stalls": 0,  # gaps between two reads of our sockets past the run clock's bound (ours, not the peers')
+            "stalled_ms": 0,  # their length beyond that bound: time not counted against any peer
             **{name: 0 for name in CAUSE_COUNTERS.values()},
         }
 
@@ -208,10 +220,15 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
 
     def quiet(self, readable) -> bool:
         """Nothing for ``poll(0)`` to do, given ``readable``, what an outer poll over :meth:`sockets` just found
-        readable: none of ours, no event queued, no tick due.  O(readable), not O(links)."""
-        if self._closed or self._events or self._clock() >= self._next_tick:
+        readable: none of ours, no event queued, no tick due.  O(readable), not O(links).  True is a look at our
+        sockets that found nothing (liveness.py: the run clock runs on)."""
+        now = self._clock()
+        if self._closed or self._events or now >= self._next_tick:
             return False
-        return not any(sock is self._router or sock in self._by_sock for sock in readable)
+        if any(sock is self._router or sock in self._by_sock for sock in readable):
+            return False
+        self._look(now)
+        return True
 
     def poll(self, timeout_ms: int = 0):
         if self._closed:
@@ -223,7 +240,9 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
         # One zmq_poll over every socket (C, level-triggered), then Python work only for the readable ones: an
         # idle link costs nothing per loop turn (invariant 8: per-loop work independent of idle links).
         ready = self._poller.poll(wait_ms)
-        if not ready and clock() < self._next_tick:
+        now = clock()
+        self._look(now)  # after the wait: a stop inside it is a gap like any other
+        if not ready and now < self._next_tick:
             return _EMPTY
         for sock, _ in ready:
             if sock is self._router:
@@ -258,6 +277,13 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _look(self, now: float) -> None:
+        """Our loop reads its sockets now: a gap since the last read past the run clock's bound was our own stall."""
+        gap = self._run.look(now)
+        # counted and logged only with links: a stall before any (a worker attaching its region) matters to no peer
+        if gap and self._links and (line := self._run.note(gap, now, self.config.heartbeat_interval_s, self.counters)):
+            log.warning("%s", line)
+
     def _check_open(self) -> None:
         if self._closed:
             raise P2PError("the control transport is closed")
@@ -272,8 +298,9 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
         except zmq.Again as e:
             raise Backpressure(f"control link {link.link_id} to {link.node_id or link.address}: queue full") from e
         except zmq.ZMQError as e:
-            if e.errno == errno.EHOSTUNREACH:
-                self._down(link, "peer connection gone", retry=link.outbound)
+            if e.errno == errno.EHOSTUNREACH:  # the peer closed it: maybe it declared us lost as we stalled
+                hint = self._run.hint(self._clock(), self.config.deadline_s)
+                self._down(link, "peer connection gone" + (f" (it {hint})" if hint else ""), retry=link.outbound)
                 raise PeerLost(f"control link {link.link_id}: peer connection gone") from e
             raise
         link.last_send = self._clock()
@@ -332,7 +359,7 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
         link.reason = ""
         link.cause = DownCause.OTHER
         link.backoff_s = self.config.reconnect_min_s
-        link.last_recv = self._clock()
+        link.last_recv = self._run.now(self._clock())  # the run clock (liveness.py)
         self._events.append(LinkUp(link.link_id, link.node_id, link.outbound, link.address))
         while link.queued and link.state is LinkState.UP:
             self._send_quiet(link, K_DATA, link.queued.popleft())
@@ -342,19 +369,22 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
         cfg = self.config
         now = self._clock()
         self._next_tick = now + self._tick_s
+        run = self._run.now(now)  # silence and deadlines: on the run clock, our own stalls not counted
+        judge = self._run.tick()  # False right after a stall: what the peers sent meanwhile is read first
         for link in list(self._links.values()):
             st = link.state
             if st is LinkState.UP:
-                silent = now - link.last_recv
-                if silent > cfg.deadline_s:
+                silent = run - link.last_recv
+                if judge and silent > cfg.deadline_s:
+                    self.counters["heartbeat_lost"] += 1
                     self._down(link, f"heartbeat lost: silent for {silent:.1f} s", retry=link.outbound)
-                elif now - link.last_send >= cfg.heartbeat_interval_s:
+                elif now - link.last_send >= cfg.heartbeat_interval_s:  # wall: after a stall of ours, ping at once
                     self._send_quiet(link, K_PING, b"")
             elif st in (LinkState.CONNECTING, LinkState.AUTHING):
-                if now >= link.deadline:
+                if judge and run >= link.deadline:
                     self._on_deadline(link)
             elif st is LinkState.CHALLENGED:
-                if now >= link.deadline:
+                if judge and run >= link.deadline:
                     self._links.pop(link.link_id, None)
                     self._drop(link)
             elif st is LinkState.DOWN and link.outbound and now >= link.next_attempt:

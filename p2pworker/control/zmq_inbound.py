@@ -44,8 +44,8 @@ class InboundLinks:
             ident, kind, body = frames
             link = self._inbound.get(ident)
             state = link.state if link is not None else None
-            if state is LinkState.UP:
-                link.last_recv = self._clock()
+            if state is LinkState.UP:  # any frame from the peer counts as alive, whatever it is
+                link.last_recv = self._run.now(self._clock())
             match router_move(state, kind):
                 case Act.DELIVER:
                     self._events.append(Received(link.link_id, body))
@@ -85,7 +85,7 @@ class InboundLinks:
             self._links.pop(oldest.link_id, None)
             self._drop(oldest)
         self._seq += 1
-        now = self._clock()
+        now = self._run.now(self._clock())
         link = Link(
             f"in-{self._seq}", False, "", LinkState.CHALLENGED, node_id=hello.node_id, ident=ident,
             nonce=secrets.token_bytes(16), peer_nonce=hello.nonce, deadline=now + self.config.deadline_s,

@@ -64,7 +64,8 @@ class OutboundLinks:
         self.sockets_epoch += 1
         link.nonce = secrets.token_bytes(16)
         link.state = LinkState.CONNECTING
-        link.deadline = self._clock() + self.config.deadline_s
+        # on the run clock (liveness.py): a stall of ours is not the peer's silence
+        link.deadline = self._run.now(self._clock()) + self.config.deadline_s
         self._send_quiet(link, K_HELLO, _enc.encode(HandshakeHello(CONTROL_VERSION, self.node_id, link.nonce)))
 
     def _unwatch(self, link: Link) -> None:
@@ -146,8 +147,8 @@ class OutboundLinks:
                 self.counters["malformed_frames"] += 1
                 continue
             kind, body = frames
-            if link.state is LinkState.UP:
-                link.last_recv = self._clock()
+            if link.state is LinkState.UP:  # any frame from the peer counts as alive, whatever it is
+                link.last_recv = self._run.now(self._clock())
             self._on_dealer_frame(link, dealer_move(link.state, kind), body)
 
     def _on_dealer_frame(self, link: Link, act: Act, body: bytes) -> None:
@@ -165,7 +166,10 @@ class OutboundLinks:
                 self.counters["rejected_handshakes"] += 1
                 self._down(link, f"rejected by {link.address}: {body.decode(errors='replace')}", retry=False)
             case Act.RESET:
-                self._down(link, f"{link.address} no longer knows this link (it restarted?)", retry=True)
+                # a peer that declared us lost while this process did not run has forgotten the link too: say so
+                hint = self._run.hint(self._clock(), self.config.deadline_s)
+                why = f", or {hint}" if hint else "?"
+                self._down(link, f"{link.address} no longer knows this link (it restarted{why})", retry=True)
             case Act.BYE:
                 self._down(link, "peer closed the link", retry=True)
             case _:

@@ -170,9 +170,9 @@ class Link:
     ident: bytes = b""
     nonce: bytes = b""
     peer_nonce: bytes = b""
-    last_recv: float = 0.0
-    last_send: float = 0.0
-    deadline: float = 0.0
+    last_recv: float = 0.0  # run clock (liveness.py): when we last heard the peer, any frame
+    last_send: float = 0.0  # wall clock: pings go out one interval after our last frame, stalls or not
+    deadline: float = 0.0  # run clock: the end of a handshake (CONNECTING, AUTHING, CHALLENGED)
     queued: deque = field(default_factory=deque)
     backoff_s: float = 0.0
     next_attempt: float = 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 
@@ -559,3 +560,90 @@ def test_a_dial_libzmq_refuses_is_a_clear_error_that_leaves_no_socket_or_link(pa
     link = a.connect(b.address)
     pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp))
     assert a.link(link) is not None and a.link(link).state is LinkState.UP
+
+
+# ---------------------------------------------------------------- our own stalls are not the peer's silence
+def test_the_run_clock_stops_while_we_stall_and_judges_again_one_tick_after():
+    """liveness.RunClock as data: a gap between two looks counts up to stall_s; past it the clock stops (and never
+    jumps back when the look confirms it); the tick right after a stall judges nobody, the next one does, even when
+    every look stalls (a dead peer is never hidden for ever)."""
+    from p2pworker.control.liveness import CLOCK_MOVES, JUDGING, Event, Phase, RunClock, stall_bound_s
+
+    assert set(CLOCK_MOVES) == {(p, e) for p in Phase for e in Event}  # every phase answers every event
+    assert stall_bound_s(0.25) == 0.5 and stall_bound_s(0.05) == 0.2  # two ticks, never under MIN_STALL_S
+    clk = RunClock(100.0, 0.5)
+    assert clk.look(100.3) == 0.0 and clk.now(100.3) == pytest.approx(100.3)  # an ordinary gap counts in full
+    assert clk.now(104.3) == pytest.approx(100.8)  # stopped 0.5 s after the last look...
+    assert clk.look(104.3) == pytest.approx(4.0)  # ...which the look confirms: a stall of 4 s, 3.5 s not counted
+    assert clk.now(104.3) == pytest.approx(100.8) and clk.excluded_s == pytest.approx(3.5)
+    assert clk.phase is Phase.RESUMED and not clk.tick()  # read what queued meanwhile first
+    assert clk.phase is Phase.WAITED and clk.tick() and clk.phase is Phase.RUNNING
+    judged = []
+    for i in range(6):  # a loop that stalls at every look: judged every other tick
+        clk.look(105.0 + i)
+        judged.append(clk.tick())
+    assert judged == [False, True] * 3 and all(p in JUDGING for p in (Phase.RUNNING, Phase.WAITED))
+    assert clk.hint(110.5, 3.0) == "declared us lost while this process did not run for 1.0 s"
+    assert clk.hint(120.0, 3.0) == ""  # a stall long past: no peer's verdict is ours to explain
+
+
+def test_a_stall_of_both_ends_longer_than_the_deadline_drops_no_link(pair):
+    """The starved host of the report, in one process: neither end reads its sockets for twice the deadline (0.6 s
+    here), as when the host runs neither.  On waking, neither blames the other for that silence: no LinkDown, the
+    stall counted on both, data still flows."""
+    a, b = pair
+    link = a.connect(b.address)
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp) and of(e, "b", LinkUp))
+    in_link = of(ev, "b", LinkUp)[0].link
+    time.sleep(1.2)  # both loops stopped (libzmq's threads run on: what the peers sent waits in the sockets)
+    ev = drain_for({"a": a, "b": b}, 1.0)  # past another deadline: judged on what arrived since
+    assert not of(ev, "a", LinkDown) and not of(ev, "b", LinkDown), ev
+    for ctl in (a, b):
+        assert ctl.counters["heartbeat_lost"] == 0 and ctl.counters["stalls"] >= 1
+        assert ctl.counters["stalled_ms"] >= 800, ctl.counters  # 1.2 s less the 0.2 s bound counted in full
+    a.send(link, b"still here")
+    b.send(in_link, b"and here")
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "a", Received) and of(e, "b", Received))
+    assert of(ev, "b", Received)[0].payload == b"still here" and of(ev, "a", Received)[0].payload == b"and here"
+
+
+def test_a_stalled_acceptor_blames_nobody_and_the_dialer_comes_back(pair):
+    """Only the acceptor stalls (1 s, past the 0.6 s deadline): the dialer, which ran, declares it lost (real
+    silence: nothing tells a stopped peer from a cut wire) and dials again.  The acceptor, waking, reads the old
+    link's pings and takes the new handshake; the old link it drops because the dialer closed that connection (its
+    first ping finds it gone), never for silence, now or a deadline later.  One link then, which carries data."""
+    a, b = pair
+    link = a.connect(b.address)
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp) and of(e, "b", LinkUp))
+    old = of(ev, "b", LinkUp)[0].link
+    ev = drain_for({"a": a}, 1.0)  # b's loop stopped
+    assert [d.reason for d in of(ev, "a", LinkDown)][0].startswith("heartbeat lost"), ev
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "b", LinkUp) and of(e, "a", LinkUp))
+    ev += drain_for({"a": a, "b": b}, 1.0)  # past b's deadline: nothing declared lost late either
+    assert all(d.reason.startswith("peer connection gone") for d in of(ev, "b", LinkDown)), ev
+    assert b.link(old) is None and b.counters["heartbeat_lost"] == 0 and b.counters["stalls"] >= 1
+    assert a.counters["heartbeat_lost"] == 1
+    a.send(link, b"after")
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "b", Received))
+    assert of(ev, "b", Received)[0].payload == b"after"
+
+
+def test_a_stalled_dialer_blames_nobody_and_its_link_comes_back(pair):
+    """Only the dialer stalls (1 s): the acceptor declares it lost and forgets the link.  The dialer, waking, does
+    not blame the acceptor; its first ping is answered RESET, whose reason names its own stall, and the link is up
+    again after one backoff."""
+    a, b = pair
+    link = a.connect(b.address)
+    pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp) and of(e, "b", LinkUp))
+    ev = drain_for({"b": b}, 1.0)  # a's loop stopped
+    assert [d.reason for d in of(ev, "b", LinkDown)][0].startswith("heartbeat lost"), ev
+    t0 = time.monotonic()
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp))
+    assert time.monotonic() - t0 < 1.0, "the link took more than a second to come back"
+    (down,) = of(ev, "a", LinkDown)
+    assert re.search(r"declared us lost while this process did not run for \d+\.\d s", down.reason), down
+    assert "heartbeat" not in down.reason, down
+    assert a.counters["heartbeat_lost"] == 0 and a.counters["stalls"] >= 1 and b.counters["heartbeat_lost"] == 1
+    a.send(link, b"after")
+    ev = pump({"a": a, "b": b}, lambda e: of(e, "b", Received))
+    assert of(ev, "b", Received)[0].payload == b"after"
