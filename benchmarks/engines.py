@@ -19,6 +19,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -94,7 +95,8 @@ SHUTDOWN_MARK = "[shutdown]"  # vLLM 0.32 prefixes every line of its stop with i
 # client's output-queue task, cancelled, hands that handler an EngineDeadError, which it logs at ERROR with a
 # traceback whenever the event loop runs it before the cancel lands (vllm-project/vllm#48745, a race independent of
 # any KV connector: it is seen on engines without a secondary tier too; benchmarks/README.md, "Traffic").
-VLLM_SHUTDOWN_RACE = "async_llm.py:906]"
+# The logging site's tag (file:line]); the line moves between releases (906 in 0.32, 957 in 0.34).
+VLLM_SHUTDOWN_RACE = re.compile(r"async_llm\.py:\d+\]")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def log_errors(path: str, offset: int = 0, limit: int = 20) -> LogErrors:
         return LogErrors([], [])
     stop = next((i for i, ln in enumerate(lines) if SHUTDOWN_MARK in ln), len(lines))
     bad = [(i, ln[:300]) for i, ln in enumerate(lines) if "ERROR" in ln or "Traceback" in ln]
-    race = [ln for i, ln in bad if i > stop and VLLM_SHUTDOWN_RACE in ln]
+    race = [ln for i, ln in bad if i > stop and VLLM_SHUTDOWN_RACE.search(ln)]
     if not race or not any("EngineDeadError" in ln for ln in race):
         race = []
     return LogErrors([ln for _, ln in bad if ln not in race][:limit], race[:limit])

@@ -92,6 +92,15 @@ class PD:
                     return first
         raise AssertionError("stream ended without a token")
 
+    def worker_status(self, which: str) -> dict:
+        """What the engine's own worker says of itself (its admin endpoint: `p2pworker inspect --json`).  vLLM's
+        /metrics is refreshed by engine steps, and an idle vLLM 0.34 engine takes none (its tier-poll thread serves
+        peers), so a gauge there may be stale while the worker's own count is current."""
+        from p2pworker.admin import query
+
+        (admin,) = glob.glob(f"/tmp/p2pworker-vllm-{self.engine_id(which)}*.admin")
+        return query(admin)
+
     def metric(self, which: str, name: str, **labels: str) -> float:
         text = http_json(self.url(which) + "/metrics")
         want = [f'{k}="{v}"' for k, v in labels.items()]
