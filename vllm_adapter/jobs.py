@@ -122,9 +122,6 @@ class JobBook:
         if ev.job_id not in self.open:
             log.error("worker reported unknown job %d; ignored", ev.job_id)
             return
-        if not ev.settled and ev.job_id in self.deferred:
-            log.error("worker reported job %d unsettled twice; ignored", ev.job_id)
-            return
         self.finish(ev.job_id, ev.success, ev.keys, ev.seconds, ev.nbytes, ev.reason, settled=ev.settled)
 
     def rows_settled(self, job_id: int) -> None:

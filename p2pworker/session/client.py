@@ -329,7 +329,9 @@ class ClientRole(SessionCore):
 
     def _report_early(self, load: _Load) -> None:
         """The load cannot succeed and only cancelled reads are pending: report it failed now, unsettled.  vLLM
-        fails every key not read yet at once and keeps their rows out of its free pool until the JobSettled."""
+        fails every key not read yet and keeps their rows out of its free pool until the JobSettled.  Invariant 7:
+        those reads (this process's, into our region) may still land, only in rows vLLM cannot reuse yet; _report
+        sends the JobSettled once the last one settled, or never (Abort: the adapter waits for the process's end)."""
         ctx = self.ctx
         load.phase = move(LOAD_MOVES, load.phase, LoadEvent.REPORTED_EARLY)
         load.early = True

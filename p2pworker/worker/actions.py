@@ -150,7 +150,9 @@ class ActionRunner:
         # The one path here that writes rows: this worker's own read (NIXL or the same-host copy) into our region,
         # by this process.  Invariant 7: the session reports the load only from on_read_result, which poll_data
         # calls once the data plane says the read settled (landed, failed or cancelled: nothing of it can land
-        # later); a read that never settles ends the process (Abort) before any report.  Invariant 8: a job's rows
+        # later); a read that never settles ends the process (Abort) before any report.  Where vLLM defers releases
+        # (0.34), a load may be reported failed while cancelled reads are posted, but unsettled: vLLM keeps those
+        # rows out of its free pool until the JobSettled that the same settling sends.  Invariant 8: a job's rows
         # go as many pieces as they need (the data plane splits by max_piece_bytes); no size here caps a job.
         s = run.s
         try:
