@@ -18,6 +18,8 @@ from p2pworker.protocol.messages import NOT_HELD, is_ask  # noqa: F401
 # a load or lookup that never reached its peer starts with one of PEER_DOWN; one its peer failed, with one of
 # PEER_FAILED (vllm_adapter/hints.py: only those make a source ask first)
 from p2pworker.session.client import PEER_DOWN, PEER_FAILED  # noqa: F401
+# one enum for a job's kind on both sides of the rings: the adapter's jobs, the worker's ledger, JobFinished.kind
+from p2pworker.session.reporter import JobKind  # noqa: F401
 from p2pworker.shm.region import RegionHandle
 
 Scalar = Union[str, int, float, bool, None]

@@ -6,7 +6,6 @@ job is never failed while its worker may still run (the supervisor calls ``fail_
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -18,6 +17,7 @@ import numpy as np
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from p2pworker import api
+from p2pworker.api import JobKind  # the worker's own enum: one for both sides of the rings
 from vllm_adapter.hints import SourceHints
 from vllm_adapter.metrics import Counts
 from vllm_adapter.outbox import Outbox
@@ -28,11 +28,6 @@ log = logging.getLogger("vllm_adapter.tier")
 # again this often while jobs are open (a request still finishing in the drain parks afresh; its consumer had this
 # long to fetch it).  Without it every stop waits out --shutdown-timeout and ends in a kill (invariant 6).
 STOP_RESET_S = 2.0
-
-
-class JobKind(enum.Enum):
-    LOAD = "load"  # peer -> our rows (a PD or symmetric consumer)
-    STORE = "store"  # our rows offered to peers (a producer, or serving a symmetric lookup)
 
 
 @dataclass

@@ -4,7 +4,9 @@ Rooms (one concern each; the loop calls them; unit-tested without processes in t
 tests/unit/test_worker_loop_rooms.py, tests/unit/test_worker_small_rooms.py and, for the stop's order,
 tests/unit/test_worker_shutdown.py):
 
-    loop.py        Worker: the phase, the collaborators, one loop turn (step), sleeping, the test hook
+    loop.py        Worker: builds the rooms, hands each its collaborators; one loop turn (step), sleeping, the hook
+    core.py        Core: what every room shares (config, clock, rings, ledger, counters, attachment, phase)
+    ports.py       the protocols one room asks of another: no room imports the Worker or another room's class
     phase.py       WorkerPhase and PHASE_MOVES: RUNNING, DRAINING, DRAINED, STOPPING, as a table
     attachment.py  Attachment: region, control, data plane, session context, fingerprint (one record, once)
     commands.py    Commands: the command ring, one handler per command type, failing jobs at once

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from p2pworker.control.lane import LaneClosed
 from p2pworker.data.handover import lane_ids
@@ -30,10 +29,9 @@ from p2pworker.session import (
     Session,
     State,
 )
+from p2pworker.worker.core import Core
 from p2pworker.worker.lanes import lane_end_reason
-
-if TYPE_CHECKING:
-    from p2pworker.worker.loop import Worker
+from p2pworker.worker.ports import LaneDuties, Roster, Tells
 
 log = logging.getLogger("p2pworker.worker")
 
@@ -78,8 +76,11 @@ class _Run:
 
 
 class ActionRunner:
-    def __init__(self, w: Worker) -> None:
-        self.w = w
+    def __init__(self, core: Core, host: Roster, lanes: LaneDuties, outbox: Tells) -> None:
+        self.core = core
+        self.host = host
+        self.lanes = lanes
+        self.outbox = outbox
         self.reads = ReadBook()
         self._held_sends: list | None = None  # see poll_data
         self._perform = {Send: self._send, AddDataPeer: self._add_data_peer, RemoveDataPeer: self._remove_data_peer,
@@ -93,9 +94,9 @@ class ActionRunner:
             a = run.todo.popleft()
             self._perform[type(a)](run, a)
         if s.state is State.CLOSED:
-            self.w.host.retire(s)
+            self.host.retire(s)
         elif s.lane_in and run.link is not None:
-            self.w.lanes.lane_read(run.link, s)
+            self.lanes.lane_read(run.link, s)
 
     # ------------------------------------------------------------ one action each
     def _send(self, run: _Run, a: Send) -> None:
@@ -105,13 +106,13 @@ class ActionRunner:
             self._held_sends.append((run.link, run.s, a))
             return
         s = run.s
-        lane = self.w.lanes.switch.sending_lane(run.link, s)
-        self.w.instruments.on_send(run.link, a.msg, lane is not None)
+        lane = self.lanes.switch.sending_lane(run.link, s)
+        self.core.instruments.on_send(run.link, a.msg, lane is not None)
         try:
             if lane is not None:
                 lane.send(encode(a.msg))  # LaneUp went out on the link: from then on, only the lane
             else:
-                self.w.ctl.send(run.link, encode(a.msg))
+                self.core.ctl.send(run.link, encode(a.msg))
         except LaneClosed as e:  # the peer's end is gone: as a lost link (see LaneHost.poll)
             run.link = None
             cause, detail = lane_end_reason(lane, e)
@@ -125,26 +126,26 @@ class ActionRunner:
         try:
             # a link a peer dialed (a PD producer's 64 consumers) proves its same-host path only when first read
             # from (never, for a producer): no handover per accepted link
-            self.w.data.add_peer(run.link, a.info, now=a.dialed)
+            self.core.data.add_peer(run.link, a.info, now=a.dialed)
         except TransferFailed as e:
             run.todo.clear()  # not the HelloAck, not the queued messages
             run.todo.extend(run.s.close(f"data plane refused the peer: {e}", bye=True))
 
     def _remove_data_peer(self, run: _Run, a: RemoveDataPeer) -> None:
-        self.w.data.remove_peer(run.s.link)
+        self.core.data.remove_peer(run.s.link)
 
     def _dial_lane(self, run: _Run, a: DialLane) -> None:
-        target = self.w.data.lane_target(a.info) if run.link is not None else None
+        target = self.core.data.lane_target(a.info) if run.link is not None else None
         if target is not None:
-            self.w.lanes.switch.dial(run.link, run.s, target, a.key, lane_ids(self.w.ctx.node_id, run.s.peer_id))
+            self.lanes.switch.dial(run.link, run.s, target, a.key, lane_ids(self.core.ctx.node_id, run.s.peer_id))
 
     def _expect_lane(self, run: _Run, a: ExpectLane) -> None:
-        s, data = run.s, self.w.data
+        s, data = run.s, self.core.data
         server = data.lane_server()
         # only a dialer on our host (same boot, our network namespace): nobody else can dial it here
         if server is not None and run.link is not None and s.peer_info is not None and \
                 data.lane_target(s.peer_info) is not None:
-            server.expect_lane(a.key, lane_ids(s.peer_id, self.w.ctx.node_id), run.link)
+            server.expect_lane(a.key, lane_ids(s.peer_id, self.core.ctx.node_id), run.link)
 
     def _post_read(self, run: _Run, a: PostRead) -> None:
         # The one path here that writes rows: this worker's own read (NIXL or the same-host copy) into our region,
@@ -156,7 +157,7 @@ class ActionRunner:
         # go as many pieces as they need (the data plane splits by max_piece_bytes); no size here caps a job.
         s = run.s
         try:
-            tid = self.w.data.read_blocks(s.link, a.local_rows, a.remote_rows)
+            tid = self.core.data.read_blocks(s.link, a.local_rows, a.remote_rows)
         except PeerUnusable as e:  # as a refusal at AddDataPeer: this session cannot move data
             run.todo.extend(s.on_read_result(a.read_id, False, f"read refused: {e}"))
             run.todo.extend(s.close(f"data plane refused the peer: {e}", bye=True))
@@ -169,17 +170,17 @@ class ActionRunner:
         # asks only: a cancelled read is still reported through poll_data once it settled, never before
         tids = self.reads.tids(run.s, a.read_ids)
         if tids:
-            self.w.data.cancel(tids)
+            self.core.data.cancel(tids)
 
     def _abort(self, run: _Run, a: Abort) -> None:
-        self.w.abort(a.why)  # reads that will not settle: only this process's death ends them
+        self.core.abort(a.why)  # reads that will not settle: only this process's death ends them
 
     # ------------------------------------------------------------ settled reads
     def poll_data(self) -> bool:
         """Hand settled reads back to the sessions that posted them."""
-        if not self.w.instruments.on_poll_data():
+        if not self.core.instruments.on_poll_data():
             return False
-        done, failed = self.w.data.poll()
+        done, failed = self.core.data.poll()
         if not done and not failed:
             return False
         # What the sessions send about settled reads (Release to the producer) goes out after the events they
@@ -193,7 +194,7 @@ class ActionRunner:
                 self.read_result(tid, False, reason)
         finally:
             held, self._held_sends = self._held_sends, None
-            self.w.outbox.flush()
+            self.outbox.flush()
             for link, s, send in held:  # even if a result raised: a Release withheld would pin the producer's rows
                 self.run(link, s, [send])
         return True
@@ -201,10 +202,10 @@ class ActionRunner:
     def read_result(self, tid: int, ok: bool, reason: str) -> None:
         # watch only: the data plane says this read settled (no byte of it can land any more); its session has not
         # reported the load yet, and only on_read_result below may (invariant 7)
-        self.w.instruments.on_read_settled(tid, ok)
+        self.core.instruments.on_read_settled(tid, ok)
         read = self.reads.pop(tid)
         if read is None:
-            self.w.counters["unowned_transfers"] += 1
+            self.core.counters["unowned_transfers"] += 1
             return
         s = read.session
-        self.run(self.w.host.link_of(s), s, s.on_read_result(read.read_id, ok, reason))
+        self.run(self.host.link_of(s), s, s.on_read_result(read.read_id, ok, reason))

@@ -7,18 +7,17 @@ or in its backoff): the adapter reports every job exactly once, and vLLM recompu
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from typing import Callable, ClassVar
 
 import msgspec
 
 from p2pworker import api
 from p2pworker.errors import AuthError, DataPlaneUnavailable, MessageTooLarge, P2PError, RingApiMismatch
 from p2pworker.session import JobKind
+from p2pworker.worker.core import Core
 from p2pworker.worker.peers import addr_key
+from p2pworker.worker.ports import Roster, Tells
 from p2pworker.worker.sessions import PARKED
-
-if TYPE_CHECKING:
-    from p2pworker.worker.loop import Worker
 
 log = logging.getLogger("p2pworker.worker")
 
@@ -38,55 +37,58 @@ class Commands:
         api.AttachRegion: "_attach", api.Drain: "_drain", api.Shutdown: "_shutdown",
     }
 
-    def __init__(self, w: Worker) -> None:
-        self.w = w
+    def __init__(self, core: Core, host: Roster, outbox: Tells, attach: Callable[[api.AttachRegion], None]) -> None:
+        self.core = core
+        self.host = host
+        self.outbox = outbox
+        self._attach_region = attach  # the worker's: it builds the attachment and says Ready
         self._handlers = {kind: getattr(self, name) for kind, name in self.HANDLERS.items()}
 
     def _attach(self, cmd: api.AttachRegion) -> None:
-        self.w.attach(cmd)
+        self._attach_region(cmd)
 
     def take(self) -> bool:
         did = False
         for _ in range(TAKE_PER_TURN):
             try:
-                cmd = self.w.cmd.try_get()
+                cmd = self.core.cmd.try_get()
             except (msgspec.MsgspecError, UnicodeDecodeError) as e:
                 self._undecodable(e)
                 continue
             except MessageTooLarge as e:
                 # The adapter refuses such a command before sending it (same limit): a job id we could not read would
                 # stay open in the adapter forever.  Stop instead; the adapter fails every open job once we are gone.
-                self.w.outbox.error(f"command over the ring's limit: {e}")
-                self.w.stop(f"a command exceeded the ring's limit ({e})")
+                self.outbox.error(f"command over the ring's limit: {e}")
+                self.core.stop(f"a command exceeded the ring's limit ({e})")
                 return True
             if cmd is None:
                 break
             did = True
-            self.w.counters["commands"] += 1
+            self.core.counters["commands"] += 1
             self._run(cmd)
         return did
 
     def _undecodable(self, e: Exception) -> None:
-        if self.w.att is None:  # the first command is the adapter's AttachRegion: another release's
-            self.w.outbox.error(f"undecodable command before any region was attached ({e}): the adapter is likely "
+        if self.core.att is None:  # the first command is the adapter's AttachRegion: another release's
+            self.outbox.error(f"undecodable command before any region was attached ({e}): the adapter is likely "
                                 f"another p2pworker release (this worker speaks ring API {api.RING_API}): install "
                                 f"the same release in vLLM's environment and the worker's", fatal=True, attach=True)
         else:
-            self.w.outbox.error(f"undecodable command dropped: {e}")
+            self.outbox.error(f"undecodable command dropped: {e}")
 
     def _run(self, cmd: api.Command) -> None:
         attach = isinstance(cmd, api.AttachRegion)
         try:
-            self.w.instruments.on_command(cmd)
+            self.core.instruments.on_command(cmd)
             self.handle(cmd)
         except P2PError as e:
-            self.w.outbox.error(f"{type(cmd).__name__}: {e}", attach=attach,
+            self.outbox.error(f"{type(cmd).__name__}: {e}", attach=attach,
                                 fatal=attach and isinstance(e, FATAL_AT_ATTACH))
         except Exception as e:
             if not attach:
                 raise
             # A library that fails in its own way at start (NIXL, ZMQ): the cause, not a crash.
-            self.w.outbox.error(f"AttachRegion: {type(e).__name__}: {e}", attach=True)
+            self.outbox.error(f"AttachRegion: {type(e).__name__}: {e}", attach=True)
 
     def handle(self, cmd: api.Command) -> None:
         self._handlers[type(cmd)](cmd)
@@ -95,69 +97,69 @@ class Commands:
     def _store(self, cmd: api.StoreJob) -> None:
         if self._refuse(cmd.job_id, JobKind.STORE):
             return
-        news = self.w.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
+        news = self.core.ctx.lot.store(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows)
         if news is not None:
-            self.w.host.pump(*news)
+            self.host.pump(*news)
 
     def _load(self, cmd: api.LoadJob) -> None:
-        counters = self.w.counters
+        counters = self.core.counters
         # inspect shows it (tests/e2e/test_long_prompt.py reads it)
         if len(cmd.keys) > counters["largest_load_keys"]:
             counters["largest_load_keys"] = len(cmd.keys)
         if self._refuse(cmd.job_id, JobKind.LOAD):
             return
-        s, why = self.w.host.session_for(cmd.address, cmd)
+        s, why = self.host.session_for(cmd.address, cmd)
         if s is None:
             if why is not PARKED:
                 self.fail_now(cmd.job_id, JobKind.LOAD, why)
             return
-        self.w.host.run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows, ask=cmd.ask))
+        self.host.run(s.link, s, s.load(cmd.job_id, cmd.request_id, cmd.keys, cmd.rows, ask=cmd.ask))
 
     def _lookup(self, cmd: api.LookupKeys) -> None:
-        s, why = (None, "worker not ready") if self.w.ctx is None or self.w.stopping else \
-            self.w.host.session_for(cmd.address, cmd)
+        s, why = (None, "worker not ready") if self.core.ctx is None or self.core.stopping else \
+            self.host.session_for(cmd.address, cmd)
         if s is None:
             if why is not PARKED:
                 self.miss_now(cmd.lookup_id, why)
             return
-        self.w.host.run(s.link, s, s.lookup(cmd.lookup_id, cmd.keys, cmd.request_id))
+        self.host.run(s.link, s, s.lookup(cmd.lookup_id, cmd.keys, cmd.request_id))
 
     def _answer_lookup(self, cmd: api.AnswerLookup) -> None:
-        for link, s in list(self.w.host.sessions.items()):
+        for link, s in list(self.host.sessions.items()):
             if s.peer_id == cmd.peer_id:
                 answer = s.answer_lookup(cmd.lookup_id, cmd.present)
                 if answer.served:
-                    self.w.host.run(link, s, answer.actions)
+                    self.host.run(link, s, answer.actions)
                     break
 
     def _request_finished(self, cmd: api.RequestFinished) -> None:
-        if self.w.ctx is not None:
-            self.w.host.pump(self.w.ctx.lot.request_finished(cmd.request_id))
+        if self.core.ctx is not None:
+            self.host.pump(self.core.ctx.lot.request_finished(cmd.request_id))
 
     def _consumer_done(self, cmd: api.ConsumerDone) -> None:
-        if self.w.ctx is not None and not self.w.stopping:
-            s, _ = self.w.host.session_for(cmd.address, cmd)  # none (unreachable, resolving): its reaper ends them
+        if self.core.ctx is not None and not self.core.stopping:
+            s, _ = self.host.session_for(cmd.address, cmd)  # none (unreachable, resolving): its reaper ends them
             if s is not None:
-                self.w.host.run(s.link, s, s.done(cmd.request_id))
+                self.host.run(s.link, s, s.done(cmd.request_id))
 
     def _reset_cache(self, cmd: api.ResetCache) -> None:
-        if self.w.ctx is None:
+        if self.core.ctx is None:
             return
-        for p in self.w.ctx.lot.reset(cmd.reason):
-            self.w.host.pump(p)
+        for p in self.core.ctx.lot.reset(cmd.reason):
+            self.host.pump(p)
         if cmd.loads:  # reported once their reads settled (none aborted)
-            for link, s in list(self.w.host.sessions.items()):
-                self.w.host.run(link, s, s.cancel_loads(cmd.reason))
+            for link, s in list(self.host.sessions.items()):
+                self.host.run(link, s, s.cancel_loads(cmd.reason))
 
     # ------------------------------------------------------------ peers
     def _open_session(self, cmd: api.OpenSession) -> None:
         if cmd.keep:
-            self.w.host.peers.kept.add(addr_key(cmd.address))
-        if not self.w.stopping:  # a no-op when the session exists, or the address is in its backoff
-            self.w.host.session_for(cmd.address, cmd)
+            self.host.peers.kept.add(addr_key(cmd.address))
+        if not self.core.stopping:  # a no-op when the session exists, or the address is in its backoff
+            self.host.session_for(cmd.address, cmd)
 
     def _close_session(self, cmd: api.CloseSession) -> None:
-        host = self.w.host
+        host = self.host
         key = addr_key(cmd.address)
         host.peers.kept.discard(key)
         link = host.peers.links.get(key)
@@ -167,41 +169,41 @@ class Commands:
             host.peers.retry.pop(key, None)  # asked for, not a failure: no backoff
         elif link is not None:
             host.peers.forget(link)
-            self.w.ctl.disconnect(link)
+            self.core.ctl.disconnect(link)
 
     # ------------------------------------------------------------ lifecycle
     def _drain(self, cmd: api.Drain) -> None:
-        self.w.drain()
+        self.core.drain()
 
     def _shutdown(self, cmd: api.Shutdown) -> None:
-        self.w.stop(f"shutdown command{': ' + cmd.reason if cmd.reason else ''}")
+        self.core.stop(f"shutdown command{': ' + cmd.reason if cmd.reason else ''}")
 
     # ------------------------------------------------------------ failing at once
     def _refuse(self, job_id: int, kind: JobKind) -> bool:
-        if self.w.ctx is None:
+        if self.core.ctx is None:
             self.fail_now(job_id, kind, "worker has no region attached yet")
             return True
-        if not self.w.phase.takes_work:
+        if not self.core.phase.takes_work:
             self.fail_now(job_id, kind, "worker is draining or shutting down")
             return True
         return False
 
     def fail_now(self, job_id: int, kind: JobKind, reason: str) -> None:
-        now = self.w.clock()
-        self.w.reporter.open(job_id, kind, now)
-        self.w.reporter.done(job_id, False, (), 0, now, reason)
+        now = self.core.clock()
+        self.core.reporter.open(job_id, kind, now)
+        self.core.reporter.done(job_id, False, (), 0, now, reason)
 
     def miss_now(self, lookup_id: int, reason: str) -> None:
-        self.w.reporter.open_lookup(lookup_id)
-        self.w.reporter.lookup_done(lookup_id, None, reason)
+        self.core.reporter.open_lookup(lookup_id)
+        self.core.reporter.lookup_done(lookup_id, None, reason)
 
     def fail_queued(self, reason: str) -> None:
         """At shutdown: fail what waits behind a name lookup and what is still in the command ring, once each."""
-        for cmd in self.w.host.resolver.take_waiting():
+        for cmd in self.host.resolver.take_waiting():
             self._fail_unrun(cmd, reason)
         while True:
             try:
-                cmd = self.w.cmd.try_get()
+                cmd = self.core.cmd.try_get()
             except (msgspec.MsgspecError, UnicodeDecodeError):
                 continue
             except P2PError:

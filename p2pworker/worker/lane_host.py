@@ -8,7 +8,7 @@ outbound link to reconnect, see SessionHost.retire); one broken under us is a br
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 from p2pworker.control import Received
 from p2pworker.control.lane import Lane, LaneBroken
@@ -16,23 +16,25 @@ from p2pworker.errors import P2PError
 from p2pworker.data.handover import LANE_TAKEN
 from p2pworker.protocol.messages import LaneUp, encode
 from p2pworker.session import CloseCause, Session, State
+from p2pworker.worker.core import Core
 from p2pworker.worker.lanes import LaneEnded, LaneStage, LaneSwitch
+from p2pworker.worker.ports import Roster
 
-if TYPE_CHECKING:
-    from p2pworker.worker.loop import Worker
 
 log = logging.getLogger("p2pworker.worker")
 
 
 class LaneHost:
-    def __init__(self, w: Worker) -> None:
-        self.w = w
-        self.switch = LaneSwitch(w.cfg.control.max_frame_bytes, w.cfg.control.hwm, w.clock)
+    def __init__(self, core: Core, host: Roster, unready: Callable[[Any], bool]) -> None:
+        self.core = core
+        self.host = host
+        self.unready = unready  # the sleeper's: the last sleep watched this source and found nothing to read
+        self.switch = LaneSwitch(core.cfg.control.max_frame_bytes, core.cfg.control.hwm, core.clock)
 
     def poll(self) -> bool:
         """Dials the acceptor took, then frames (or ends) on the switched lanes; True when anything happened."""
         did = False
-        host = self.w.host
+        host = self.host
         for taken in self.switch.poll_dials():
             did = True
             s = taken.session
@@ -40,7 +42,7 @@ class LaneHost:
                 self.lane_up(taken.link, s, self.switch.lane(taken.dial.sock))
             else:
                 taken.dial.close()
-        for news in self.switch.poll_lanes(self.w.unready):
+        for news in self.switch.poll_lanes(self.unready):
             if isinstance(news, LaneEnded):
                 self._ended(news)
             else:
@@ -50,31 +52,31 @@ class LaneHost:
     def _ended(self, news: LaneEnded) -> None:
         s, e, gone = news.session, news.error, news.peer_gone
         self.drop(s)  # a Bye goes on the control link
-        self.w.host.run(news.link if not gone else None, s,
+        self.host.run(news.link if not gone else None, s,
                         s.close(f"same-host lane: {e}", cause=CloseCause.PEER_LOST if gone else CloseCause.LOCAL,
                                 bye=not gone))
-        self.w.host.retire(s)
+        self.host.retire(s)
 
     def deliver(self, link: str, s: Session, frames) -> bool:
         """Hand ``s`` the frames read from its lane, in order, while it still owns ``link``; True when any came."""
         for frame in frames:
-            if self.w.host.sessions.get(link) is not s:
+            if self.host.sessions.get(link) is not s:
                 break
-            self.w.host.on_control(Received(link, frame), lane=True)
+            self.host.on_control(Received(link, frame), lane=True)
         return bool(frames)
 
     def lane_up(self, link: str, s: Session, lane: Lane) -> None:
         """Switch ``s``'s messages to ``lane``: LaneUp on the control link first, then only the lane."""
         up = LaneUp()
-        self.w.instruments.on_send(link, up, False)
+        self.core.instruments.on_send(link, up, False)
         try:
-            self.w.ctl.send(link, encode(up))
+            self.core.ctl.send(link, encode(up))
         except P2PError as e:
             log.info("no same-host lane to %s: %s", s.peer_id or link, e)
             lane.close()
             return
         self.switch.up(link, s, lane)
-        self.w.counters["lanes_up"] += 1
+        self.core.counters["lanes_up"] += 1
 
     def lane_read(self, link: str, s: Session) -> None:
         """The peer's LaneUp arrived: its later messages are on the lane.  The acceptor switches now too."""
@@ -85,12 +87,12 @@ class LaneHost:
             self.lane_up(link, s, self.switch.take_offered(link))
         else:
             # the peer moved its messages to a lane we do not hold (we closed it: taken too late): they would be lost
-            self.w.host.run(link, s, s.close("the peer moved to a same-host lane we do not hold", bye=True))
+            self.host.run(link, s, s.close("the peer moved to a same-host lane we do not hold", bye=True))
 
     def take(self, server) -> None:
         """Lanes dialers proved to our handover thread: tell each dialer we took it; we switch on its LaneUp."""
         for link, key, sock in server.take_lanes():
-            s = self.w.host.sessions.get(link)
+            s = self.host.sessions.get(link)
             if s is None or s.state is not State.ACTIVE or s.peer_lane_key != key or link in self.switch.links:
                 sock.close()  # its session is gone (or has one): the dialer sees the close and keeps to the link
                 continue
@@ -117,6 +119,6 @@ class LaneHost:
     def drop(self, s: Session) -> None:
         """Everything lane of ``s`` (closed or superseded), and the handover server's expectation of its dialer."""
         self.switch.drop(s.link, s)
-        server = self.w.data.lane_server() if self.w.data is not None else None
+        server = self.core.data.lane_server() if self.core.data is not None else None
         if server is not None and s.peer_lane_key:
             server.forget_lane(s.peer_lane_key)

@@ -14,7 +14,6 @@ with status 1.
 
 from __future__ import annotations
 
-import collections
 import importlib
 import logging
 import os
@@ -25,21 +24,18 @@ from typing import Any, Callable
 from p2pworker import api
 from p2pworker.admin import AdminServer
 from p2pworker.config import WorkerConfig
-from p2pworker.control import ControlTransport
-from p2pworker.data import DataTransport
 from p2pworker.errors import P2PError
-from p2pworker.instruments import Instruments
-from p2pworker.session import Reporter, SessionContext
 from p2pworker.session.session import longest_hold_s
-from p2pworker.shm import KVRegion, Ring, Role
+from p2pworker.shm import Ring, Role
 from p2pworker.worker.actions import ActionRunner
-from p2pworker.worker.attachment import Attachment, attach
+from p2pworker.worker.attachment import attach
 from p2pworker.worker.commands import Commands
+from p2pworker.worker.core import Core
 from p2pworker.worker.lane_host import LaneHost
 from p2pworker.worker.outbox import EventOutbox
 from p2pworker.worker.phase import PhaseEvent, WorkerPhase, next_phase
 from p2pworker.worker.sessions import SessionHost
-from p2pworker.worker.shutdown import shut_down
+from p2pworker.worker.shutdown import StopRooms, shut_down
 from p2pworker.worker.sleeper import Sleeper, poll_timeout_s
 from p2pworker.worker.status import status
 from p2pworker.worker.timers import Timers, boottime, trim_heap
@@ -60,12 +56,15 @@ def _attach_ring(name: str, role: Role, msg_type: Any, deadline: float, clock: C
             time.sleep(0.1)
 
 
+def _shared(name: str) -> property:
+    """One of the core's attributes, read and set through the Worker (what tests, hooks and metrics use)."""
+    return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value))
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, *, clock: Callable[[], float] = boottime):
         if not cfg.rings:
             raise P2PError("the worker needs --rings PREFIX (the adapter creates <PREFIX>.cmd and <PREFIX>.evt)")
-        self.cfg = cfg
-        self.clock = clock
         cmd_name, evt_name = api.ring_names(cfg.rings)
         deadline = clock() + cfg.wait_rings_s
         # an operator may start the worker before vLLM creates the rings, and the adapter creates the command ring
@@ -76,22 +75,18 @@ class Worker:
         except BaseException:
             self.cmd.close()
             raise
-        self.started = clock()
-        self.phase = WorkerPhase.RUNNING
-        self.stop_reason = ""
-        self._signals = 0
-        self.att: Attachment | None = None  # set once by AttachRegion
-        self.counters = collections.Counter()
-        self.reporter = Reporter()
-        # the named points test hooks implement (p2pworker/instruments.py); nothing runs at them by default
-        self.instruments = Instruments()
-        self.outbox = EventOutbox(self.evt, self.reporter, self.counters, clock, self)
-        self.host = SessionHost(self)
-        self.lanes = LaneHost(self)
-        self.runner = ActionRunner(self)
-        self.commands = Commands(self)
+        self.core = Core(cfg, clock, self.cmd, self.evt)
+        core = self.core
+        self.outbox = EventOutbox(self.evt, core.reporter, core.counters, clock, core)
+        # each room is handed the rooms it calls (ports.py), never this Worker
+        self.host = SessionHost(core)
+        self.lanes = LaneHost(core, self.host, self.unready)
+        self.runner = ActionRunner(core, self.host, self.lanes, self.outbox)
+        self.commands = Commands(core, self.host, self.outbox, self.attach)
+        self.host.wire(self.runner, self.lanes, self.commands.handle)
         self.timers = Timers.start(cfg.tick_s, clock)
         self.sleeper = Sleeper(self.cmd, self.evt)
+        self._signals = 0
         self._heartbeats = 0
         self.admin = AdminServer(cfg.admin_path or f"/tmp/p2pworker-{cfg.name}-{os.getpid()}.admin", self.status)
         self.metrics = None
@@ -102,35 +97,26 @@ class Worker:
             self.metrics = Metrics(self, cfg.metrics_port + cfg.control.dp_index, cfg.metrics_host)
             self.outbox.metrics = self.metrics
 
-    # ------------------------------------------------------------ what the rooms share
-    @property
-    def ctl(self) -> ControlTransport | None:
-        return self.att.ctl if self.att is not None else None
-
-    @property
-    def data(self) -> DataTransport | None:
-        return self.att.data if self.att is not None else None
-
-    @property
-    def ctx(self) -> SessionContext | None:
-        return self.att.ctx if self.att is not None else None
-
-    @property
-    def region(self) -> KVRegion | None:
-        return self.att.region if self.att is not None else None
-
-    @property
-    def identity(self) -> dict:
-        """The adapter's KV identity (model, dtype, ...) from AttachRegion: the metrics' labels."""
-        return self.att.identity if self.att is not None else {}
+    # ------------------------------------------------------------ what the rooms share (core.py), read through here
+    cfg = _shared("cfg")
+    clock = _shared("clock")
+    started = _shared("started")
+    counters = _shared("counters")
+    reporter = _shared("reporter")
+    instruments = _shared("instruments")  # a test hook sets it (install_hook): the rooms read it from the core
+    att = _shared("att")
+    phase = _shared("phase")
+    stop_reason = _shared("stop_reason")
+    ctl = _shared("ctl")
+    data = _shared("data")
+    ctx = _shared("ctx")
+    region = _shared("region")
+    identity = _shared("identity")
+    stopping = _shared("stopping")
 
     @property
     def sessions(self) -> dict:
         return self.host.sessions
-
-    @property
-    def stopping(self) -> bool:
-        return self.phase is WorkerPhase.STOPPING
 
     # ------------------------------------------------------------ phase
     def install_signal_handlers(self) -> None:
@@ -145,29 +131,19 @@ class Worker:
         self.stop(f"signal {signal.Signals(signum).name}")
 
     def stop(self, reason: str) -> None:
-        if not self.stopping:
-            log.info("stopping: %s", reason)
-            self.phase = next_phase(self.phase, PhaseEvent.STOP)
-            self.stop_reason = reason
+        self.core.stop(reason)
 
     def drain(self) -> None:
-        self.phase = next_phase(self.phase, PhaseEvent.DRAIN)
+        self.core.drain()
 
     def abort(self, why: str) -> None:
-        """Reads we posted will not settle and cannot be aborted (NIXL): the only safe end is this process's death,
-        which stops every read it initiated before the adapter reports their jobs.  No orderly shutdown: that
-        would unmap and close the rings under the posted reads."""
-        log.critical("%s; exiting now so that they cannot land in rows vLLM reuses", why)
-        try:
-            self.evt.try_put(api.WorkerError(f"exiting: {why}"))
-        finally:
-            os._exit(70)
+        self.core.abort(why)
 
     def attach(self, cmd: api.AttachRegion) -> None:
         if self.att is not None:
             raise P2PError("a region is attached already")
         self.instruments.on_attach(cmd)
-        self.att = attach(self.cfg, cmd, self.reporter, self.clock)
+        self.core.att = attach(self.cfg, cmd, self.reporter, self.clock)
         if self.metrics is not None:
             self.metrics.prime()  # every job series at 0 from now on, labelled with the model just learned
         att = self.att
@@ -244,7 +220,7 @@ class Worker:
             self.ctx.lot.tick()
             self.host.reopen_kept()
         if self.phase is WorkerPhase.DRAINING and self.reporter.open_jobs == 0 and not self._in_flight():
-            self.phase = next_phase(self.phase, PhaseEvent.DRAINED)  # still refusing new work
+            self.core.phase = next_phase(self.phase, PhaseEvent.DRAINED)  # still refusing new work
             self.outbox.emit(api.Drained())
 
     def _reads_in_flight(self) -> bool:
@@ -284,15 +260,16 @@ class Worker:
     # ------------------------------------------------------------ stopping and showing
     def shutdown(self) -> None:
         """Fail or finish every job once, drain transfers, deregister, unmap, close the rings (shutdown.py)."""
-        self.phase = next_phase(self.phase, PhaseEvent.STOP)
+        self.core.phase = next_phase(self.phase, PhaseEvent.STOP)
         try:
             self.instruments.on_stop()
         except Exception:  # noqa: BLE001  (hook code: whatever it raised, the orderly stop still runs)
             log.exception("instrument point on_stop raised; stopping anyway")
-        shut_down(self)
+        shut_down(self.core, StopRooms(self.commands, self.host, self.runner, self.outbox, self.lanes.switch,
+                                       tuple(x for x in (self.metrics, self.admin) if x is not None)))
 
     def status(self) -> dict:
-        return status(self)
+        return status(self.core, self.host, self.lanes.switch)
 
 
 def install_hook(worker: Worker, env=os.environ) -> str | None:

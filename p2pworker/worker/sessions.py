@@ -8,17 +8,16 @@ kept (``settling``) until the reads it posted have settled: nothing may land in 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2pworker import api
 from p2pworker.control import LinkDown, LinkState, LinkUp, Received
 from p2pworker.errors import P2PError
 from p2pworker.session import CloseCause, Session, State
+from p2pworker.worker.core import Core
 from p2pworker.worker.peers import PeerBook, addr_key
+from p2pworker.worker.ports import LaneDuties, Performs, Rerun
 from p2pworker.worker.resolver import Resolver
-
-if TYPE_CHECKING:
-    from p2pworker.worker.loop import Worker
 
 log = logging.getLogger("p2pworker.worker")
 
@@ -28,18 +27,25 @@ FOLDED_COUNTERS = ("late_reads", "late_offers", "stale_releases", "unsettled_rea
 
 
 class SessionHost:
-    def __init__(self, w: Worker) -> None:
-        self.w = w
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        # the rooms this one calls, handed over by wire() (they are built with this one: each calls the other)
+        self._runner: Performs | None = None
+        self._lanes: LaneDuties | None = None
+        self._rerun: Rerun | None = None
         self.sessions: dict[str, Session] = {}  # control link id -> session
         self.settling: list[Session] = []  # closed sessions whose cancelled reads have not settled yet
         # outbound links by address, which came up once, the backoff of failed addresses, the kept peers (the tier's
         # `peers`: a PD decode lists its prefill workers, so the first request finds the session and the data path
         # set up; re-opened on the tick, with backoff)
         self.peers = PeerBook()
-        self.resolver = Resolver(w.clock)  # host names resolved off the loop (a slow resolver stalls nothing)
+        self.resolver = Resolver(core.clock)  # host names resolved off the loop (a slow resolver stalls nothing)
+
+    def wire(self, runner: Performs, lanes: LaneDuties, rerun: Rerun) -> None:
+        self._runner, self._lanes, self._rerun = runner, lanes, rerun
 
     def run(self, link: str | None, s: Session, actions: list) -> None:
-        self.w.runner.run(link, s, actions)
+        self._runner.run(link, s, actions)
 
     def link_of(self, s: Session) -> str | None:
         """The link ``s`` may still send on: None once a newer session (or none) owns it."""
@@ -57,7 +63,7 @@ class SessionHost:
         """The session of the outbound link to ``address`` (connecting one if needed), or (None, why not).
 
         (None, PARKED): the host name is being resolved off the loop; ``cmd`` is run again once it is."""
-        ctl = self.w.ctl
+        ctl = self.core.ctl
         if ctl is None:
             return None, "worker has no region attached yet"
         key = addr_key(address)
@@ -77,7 +83,7 @@ class SessionHost:
 
     def _unusable(self, address: str, key: str, link: str) -> str:
         """Why the outbound link we hold to ``key`` must not take a command now ("" if it may)."""
-        lk = self.w.ctl.link(link)
+        lk = self.core.ctl.link(link)
         if lk is None or lk.state is LinkState.FAILED:
             # The control transport gave up on it (the peer rejected us): drop it; after a backoff the next
             # command opens a fresh link (the peer may have been fixed and restarted meanwhile).
@@ -91,7 +97,7 @@ class SessionHost:
         return ""
 
     def _connect(self, address: str, key: str, cmd: Any) -> tuple[str | None, str]:
-        now = self.w.clock()
+        now = self.core.clock()
         b = self.peers.blocked(key, now)
         if b is not None:
             return None, f"peer {address}: {b.why}; retrying in {b.not_before - now:.1f} s"
@@ -99,10 +105,10 @@ class SessionHost:
         if target is None:
             return None, PARKED
         try:
-            link = self.w.ctl.connect(target, resolve=False)
+            link = self.core.ctl.connect(target, resolve=False)
         except P2PError as e:
             log.warning("cannot connect to %s: %s", address, e)
-            self.peers.backoff(key, f"unreachable: {e}", self.w.clock())
+            self.peers.backoff(key, f"unreachable: {e}", self.core.clock())
             return None, f"peer {address} unreachable: {e}"
         self.peers.add(key, link)
         return link, ""
@@ -111,36 +117,36 @@ class SessionHost:
         """Drop an outbound link the transport gave up on (or that never came up): its session closes (what waits on
         it fails), and the next command for ``key`` opens a fresh link only after the backoff."""
         self.peers.forget(link)
-        self.w.ctl.disconnect(link)
+        self.core.ctl.disconnect(link)
         s = self.sessions.get(link)
         if s is not None:
             self.run(None, s, s.close(close_reason))
             self.retire(s)
-        self.peers.backoff(key, backoff_reason, self.w.clock())
+        self.peers.backoff(key, backoff_reason, self.core.clock())
 
     def resolved(self) -> bool:
         """Run the commands whose peer's name resolved (or fail them with the resolver's error or its time-out)."""
         settled = self.resolver.settle()
         for done in settled:
             if done.error is not None:
-                self.peers.backoff(done.key, done.error, self.w.clock())
+                self.peers.backoff(done.key, done.error, self.core.clock())
             for cmd in done.cmds:
                 if cmd is not None:
-                    self.w.commands.handle(cmd)  # resolved: proceeds; failed: the backoff entry fails it
+                    self._rerun(cmd)  # resolved: proceeds; failed: the backoff entry fails it
         return bool(settled)
 
     def reopen_kept(self) -> None:
         """A kept peer whose session closed: open a new one (session_for backs off)."""
-        ctl = self.w.ctl
+        ctl = self.core.ctl
         for key in self.peers.kept:
             link = self.peers.links.get(key)
             lk = ctl.link(link) if link is not None else None
             # no link, or one the control transport gave up on (session_for drops it, then backs off)
-            if (lk is None or lk.state is LinkState.FAILED) and key not in self.resolver and not self.w.stopping:
+            if (lk is None or lk.state is LinkState.FAILED) and key not in self.resolver and not self.core.stopping:
                 self.session_for(key, api.OpenSession(key))
 
     def new_session(self, link: str, peer: str | None) -> Session:
-        return Session(self.w.ctx, expected_peer_id=peer, link=link)
+        return Session(self.core.ctx, expected_peer_id=peer, link=link)
 
     def pump(self, p, new_keys: list[bytes] | None = None) -> None:
         """The parking lot has news for the session serving ``p``'s lease (new stores, request finished)."""
@@ -157,7 +163,7 @@ class SessionHost:
     # ------------------------------------------------------------ retiring
     def retire(self, s: Session) -> None:
         """Forget a closed session's link; keep the session until its cancelled reads settled."""
-        self.w.lanes.drop(s)
+        self._lanes.drop(s)
         forgotten = False  # removed from one of our collections by this call (counters are folded once)
         if self.sessions.get(s.link) is s:
             del self.sessions[s.link]
@@ -169,13 +175,13 @@ class SessionHost:
                 forgotten = True
             if forgotten:  # its counters live on in the worker's (status, metrics)
                 for name in FOLDED_COUNTERS:
-                    self.w.counters[f"sessions_{name}"] += getattr(s.counters, name)
+                    self.core.counters[f"sessions_{name}"] += getattr(s.counters, name)
         elif s not in self.settling:
             self.settling.append(s)
 
     def _hang_up(self, s: Session) -> None:
         """What the link of a session that just left it needs."""
-        link, ctl = s.link, self.w.ctl
+        link, ctl = s.link, self.core.ctl
         # the transport's record says who dialled (an outbound link keeps its id across reconnects); a link it forgot
         # already is nobody's to keep (disconnecting it again below is a no-op)
         lk = ctl.link(link) if ctl is not None else None
@@ -187,7 +193,7 @@ class SessionHost:
                 # link and let the next load open a fresh one, after a backoff that doubles while it keeps failing.
                 self.peers.forget(link)
                 ctl.disconnect(link)
-                self.peers.backoff(key, s.close_reason, self.w.clock())
+                self.peers.backoff(key, s.close_reason, self.core.clock())
         elif not out and ctl is not None and not s.quiet_close:
             # Hang up: the peer's session may still think it is ACTIVE (we may not have been able to send
             # Bye); without the link it notices now instead of sending into a session that ignores it.
@@ -203,13 +209,13 @@ class SessionHost:
             self._link_down(ev)
 
     def _received(self, ev: Received, lane: bool) -> None:
-        self.w.instruments.on_received(ev.link, ev.payload, lane)
+        self.core.instruments.on_received(ev.link, ev.payload, lane)
         s = self.sessions.get(ev.link)
         if s is None:
             return
         actions = s.receive(ev.payload, lane=lane)
         if s.state is State.CLOSED and s.counters.protocol_errors:
-            self.w.counters["protocol_errors"] += 1
+            self.core.counters["protocol_errors"] += 1
             log.warning("peer %s: %s; session closed", s.peer_id or ev.link, s.close_reason)
         self.run(ev.link, s, actions)
 
@@ -228,12 +234,12 @@ class SessionHost:
         # An inbound reconnect replaces its old link inside the control transport without a LinkDown:
         # retire sessions whose link is gone.
         for link, other in list(self.sessions.items()):
-            if self.w.ctl.link(link) is None:
+            if self.core.ctl.link(link) is None:
                 self.run(None, other, other.close("control link replaced"))
                 self.retire(other)
 
     def _link_down(self, ev: LinkDown) -> None:
-        self.w.counters["peer_deaths"] += 1
+        self.core.counters["peer_deaths"] += 1
         key = self.peers.addr_of.get(ev.link)
         if key is not None and ev.link not in self.peers.was_up:
             self.unreachable(ev.link, key, ev.reason)
@@ -243,7 +249,7 @@ class SessionHost:
             # A peer that shuts down sends its Bye on the session's lane, then closes both; this turn may see the
             # control link go first (the loop reads it before the lanes): read what the lane holds first, so
             # the session ends with the peer's own reason, not "peer lost".
-            self.w.lanes.drain(ev.link, s)
+            self._lanes.drain(ev.link, s)
         if s is not None and self.sessions.get(ev.link) is s and s.state is not State.CLOSED:
             self.run(None, s, s.close(ev.reason, cause=CloseCause.PEER_LOST))
             self.retire(s)
@@ -253,7 +259,7 @@ class SessionHost:
         What waits on it fails now (lookups MISS, loads fail: vLLM recomputes), and so does what comes for it until
         the backoff ends (session_for), instead of queueing for a handshake that will not come.  Logged once per
         address (bounded) and counted (p2pworker_peers_unreachable)."""
-        self.w.counters["peers_unreachable"] += 1
+        self.core.counters["peers_unreachable"] += 1
         if self.peers.first_failure(key):
             # INFO: the control transport already warned, once per address and cause
             log.info("peer %s unreachable: %s; pulls from it recompute (retried after a backoff)", key, reason)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
-
 from p2pworker.session import Session
+from p2pworker.worker.core import Core
+from p2pworker.worker.lanes import LaneSwitch
+from p2pworker.worker.ports import Roster
 
-if TYPE_CHECKING:
-    from p2pworker.worker.loop import Worker
 
-
-def status(w: Worker) -> dict:
+def status(w: Core, host: Roster, switch: LaneSwitch) -> dict:
     att, data = w.att, w.data
     return {
         "name": w.cfg.name,
@@ -24,11 +22,11 @@ def status(w: Worker) -> dict:
         "uptime_s": round(w.clock() - w.started, 3),
         "state": state_name(w),
         "region": None if att is None else {"num_blocks": att.region.num_blocks, "block_bytes": att.region.block_bytes},
-        "sessions": [session_row(w, link, s) for link, s in w.host.sessions.items()],
+        "sessions": [session_row(w, switch, link, s) for link, s in host.sessions.items()],
         # what this process's copies run under (p2pworker.copytune: streaming stores for same-host copies)
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         # listed peers (OpenSession keep): re-opened whenever their session ends
-        "kept_peers": sorted(w.host.peers.kept),
+        "kept_peers": sorted(host.peers.kept),
         "jobs_in_flight": w.reporter.open_jobs,
         "transfers_in_flight": data.in_flight() if data else 0,
         "bytes_read": data.stats.bytes_done if data else 0,
@@ -40,7 +38,7 @@ def status(w: Worker) -> dict:
     }
 
 
-def state_name(w: Worker) -> str:
+def state_name(w: Core) -> str:
     if w.stopping:
         return "stopping"
     if not w.phase.takes_work:  # draining, or drained (still refusing)
@@ -48,13 +46,13 @@ def state_name(w: Worker) -> str:
     return "running" if w.att is not None else "waiting for region"
 
 
-def session_row(w: Worker, link: str, s: Session) -> dict:
+def session_row(w: Core, switch: LaneSwitch, link: str, s: Session) -> dict:
     return {"link": link, "peer_id": s.peer_id, "state": s.state.value, "open_loads": s.open_loads,
-            "close_reason": s.close_reason, **data_path(w, link), "lane": w.lanes.switch.state_of(link, s),
+            "close_reason": s.close_reason, **data_path(w, link), "lane": switch.state_of(link, s),
             **s.counters.as_dict()}
 
 
-def data_path(w: Worker, link: str) -> dict:
+def data_path(w: Core, link: str) -> dict:
     """How a session's reads move (inspect): "same_host" or the backend, and why not same_host."""
     data = w.data
     got = data.path_of(link) if data is not None else None

@@ -114,3 +114,40 @@ def test_tests_and_benchmarks_reach_our_objects_by_public_names_only():
     assert not ours, f"private names reached from outside their package: {ours}"
     used = {r.split(": ", 1)[1] for r in reaches}
     assert used >= set(FOREIGN_PRIVATES), f"stale allowances: {set(FOREIGN_PRIVATES) - used}"
+
+
+def _imports_of(path: Path, package: str) -> set[str]:
+    """The modules of ``package`` that ``path`` imports, at any depth of its body: a TYPE_CHECKING import counts too
+    (an import circle that only the type checker walks is still a circle to a reader)."""
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(package + "."):
+            out.add(n.module.removeprefix(package + "."))
+        elif isinstance(n, ast.Import):
+            out.update(a.name.removeprefix(package + ".") for a in n.names if a.name.startswith(package + "."))
+    return out
+
+
+def test_the_worker_rooms_import_in_one_direction_and_none_takes_the_whole_worker():
+    package = "p2pworker.worker"
+    rooms = {p.stem: p for p in (ROOT / "p2pworker" / "worker").glob("*.py") if p.stem != "__init__"}
+    graph = {name: {m for m in _imports_of(p, package) if m in rooms} for name, p in rooms.items()}
+    # the loop builds every room and hands each the rooms it calls (ports.py): no room reaches back up to it
+    assert [name for name, deps in graph.items() if "loop" in deps] == []
+    seen, done, circles = [], set(), []
+
+    def visit(name: str) -> None:
+        if name in done:
+            return
+        if name in seen:
+            circles.append(seen[seen.index(name):] + [name])
+            return
+        seen.append(name)
+        for dep in sorted(graph[name]):
+            visit(dep)
+        seen.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+    assert circles == []

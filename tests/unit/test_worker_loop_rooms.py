@@ -238,9 +238,12 @@ def _worker(ctl):
     w = types.SimpleNamespace(ctl=ctl, data=None, clock=Clock(10.0), counters=collections.Counter(),
                               instruments=Instruments(),
                               cfg=types.SimpleNamespace(control=types.SimpleNamespace(max_frame_bytes=1 << 20, hwm=64)))
+    w.outbox = types.SimpleNamespace(flush=lambda: None)
+    # built and wired as the worker does (loop.py): each room handed the rooms it calls
     w.host = SessionHost(w)
-    w.lanes = LaneHost(w)
-    w.runner = ActionRunner(w)
+    w.lanes = LaneHost(w, w.host, lambda source: False)
+    w.runner = ActionRunner(w, w.host, w.lanes, w.outbox)
+    w.host.wire(w.runner, w.lanes, rerun=lambda cmd: None)
     return w
 
 

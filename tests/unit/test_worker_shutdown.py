@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from p2pworker.worker.shutdown import shut_down
+from p2pworker.worker.shutdown import StopRooms, shut_down
 
 
 class _Stop(Exception):
@@ -36,28 +36,26 @@ def _worker(calls: list[str], *, settles: bool = True, outbox_waiting: int = 0):
         calls.append("abort")
         raise _Stop(why)
 
-    return types.SimpleNamespace(
+    core = types.SimpleNamespace(
         stop_reason="test", cfg=types.SimpleNamespace(shutdown_timeout_s=1.0), clock=lambda: 0.0,
-        commands=types.SimpleNamespace(fail_queued=rec("commands.fail_queued")),
-        host=host,
         data=types.SimpleNamespace(close=rec("data.close", settles)),
-        runner=types.SimpleNamespace(poll_data=rec("runner.poll_data")),
         ctx=types.SimpleNamespace(lot=types.SimpleNamespace(shutdown=rec("lot.shutdown", 0))),
-        lanes=types.SimpleNamespace(switch=types.SimpleNamespace(close_all=rec("lanes.close_all"))),
         ctl=types.SimpleNamespace(close=rec("ctl.close")),
-        outbox=outbox,
         att=types.SimpleNamespace(region=types.SimpleNamespace(close=rec("region.close"))),
-        metrics=None,
-        admin=types.SimpleNamespace(close=rec("admin.close")),
         evt=types.SimpleNamespace(close=rec("evt.close")),
         cmd=types.SimpleNamespace(close=rec("cmd.close"), peer_alive=lambda: False),
         abort=abort,
     )
+    rooms = StopRooms(commands=types.SimpleNamespace(fail_queued=rec("commands.fail_queued")), host=host,
+                      runner=types.SimpleNamespace(poll_data=rec("runner.poll_data")), outbox=outbox,
+                      switch=types.SimpleNamespace(close_all=rec("lanes.close_all")),
+                      servers=(types.SimpleNamespace(close=rec("admin.close")),))
+    return core, rooms
 
 
 def test_the_stop_drains_reads_before_it_reports_closes_or_unmaps_anything():
     calls: list[str] = []
-    shut_down(_worker(calls))
+    shut_down(*_worker(calls))
     assert calls == [
         "commands.fail_queued",  # queued jobs fail first: nothing new is started
         "session.cancel_loads", "host.run cancel",  # loads cancelled; reported only once their reads settle
@@ -74,7 +72,7 @@ def test_the_stop_drains_reads_before_it_reports_closes_or_unmaps_anything():
 def test_reads_that_do_not_settle_end_the_process_before_any_report_or_unmap():
     calls: list[str] = []
     with pytest.raises(_Stop):
-        shut_down(_worker(calls, settles=False))
+        shut_down(*_worker(calls, settles=False))
     end = calls.index("abort")
     assert calls[end - 1] == "data.close"
     before = calls[:end]
@@ -84,6 +82,6 @@ def test_reads_that_do_not_settle_end_the_process_before_any_report_or_unmap():
 
 def test_events_the_adapter_cannot_take_are_given_up_without_waiting_for_a_gone_adapter():
     calls: list[str] = []
-    shut_down(_worker(calls, outbox_waiting=3))  # peer_alive() is False: no wait
+    shut_down(*_worker(calls, outbox_waiting=3))  # peer_alive() is False: no wait
     assert calls.count("outbox.flush") == 1 and calls[-4:] == ["region.close", "admin.close", "evt.close",
                                                                 "cmd.close"]

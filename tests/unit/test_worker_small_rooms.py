@@ -571,10 +571,14 @@ def _status_worker(phase=WorkerPhase.RUNNING, attached=False):
             state_of=lambda link, s: lanes.get(link, "control link"))))
 
 
+def _status(w) -> dict:
+    return status(w, w.host, w.lanes.switch)  # what the worker hands it: the core (here w), the host, the lanes
+
+
 def test_an_unattached_worker_reports_no_region_no_data_plane_and_is_waiting(monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.x=1")
     w = _status_worker()
-    st = status(w)
+    st = _status(w)
     assert st["state"] == "waiting for region" and st["name"] == "st" and st["pid"] == os.getpid()
     assert {k: st[k] for k in ("node_id", "address", "backend", "fingerprint", "region")} == dict.fromkeys(
         ("node_id", "address", "backend", "fingerprint", "region"))
@@ -590,7 +594,7 @@ def test_an_attached_worker_reports_its_region_data_plane_and_one_row_per_sessio
     w = _status_worker(attached=True)
     w.host.sessions.update({"out-1": _StatusSession("peer-b", State.ACTIVE),
                             "in-7": _StatusSession("peer-c", State.HELLO_SENT)})
-    st = status(w)
+    st = _status(w)
     att = w.att
     assert st["state"] == "running" and (st["node_id"], st["address"]) == (att.ctl.node_id, att.ctl.address)
     assert (st["backend"], st["copy_threads"], st["fingerprint"]) == ("zmq", 4, att.fingerprint.digest)
@@ -615,7 +619,7 @@ def test_an_attached_worker_reports_its_region_data_plane_and_one_row_per_sessio
     (WorkerPhase.STOPPING, False, "stopping"),  # stopping wins over waiting for a region
 ])
 def test_the_state_shown_follows_the_phase_before_the_attachment(phase, attached, want):
-    assert status(_status_worker(phase, attached))["state"] == want
+    assert _status(_status_worker(phase, attached))["state"] == want
 
 
 # ------------------------------------------------------------ commands: stand-ins for the worker's rooms
@@ -741,6 +745,12 @@ class _W:
             raise self.attach_error
 
 
+def _commands(w: _W) -> Commands:
+    """The commands room, handed what the worker hands it: the core (here _W), the session host, the outbox and
+    the attach step."""
+    return Commands(w, w.host, w.outbox, w.attach)
+
+
 def _reported(w: _W) -> list:
     """(id, success or present, reason) of what the reporter was told, jobs and lookups alike."""
     out = []
@@ -766,7 +776,7 @@ STORE = api.StoreJob(2, "req", [b"k0"], [7])
 ])
 def test_a_job_in_the_wrong_phase_fails_at_once_with_the_reason_and_touches_nothing(attached, phase, reason):
     w = _W(attached=attached, phase=phase)
-    c = Commands(w)
+    c = _commands(w)
     c.handle(STORE)
     c.handle(LOAD)
     assert _reported(w) == [("store", 2, False, reason), ("load", 3, False, reason)]
@@ -776,7 +786,7 @@ def test_a_job_in_the_wrong_phase_fails_at_once_with_the_reason_and_touches_noth
 
 def test_a_load_for_an_unreachable_peer_fails_with_the_hosts_reason_and_a_parked_one_waits_unreported():
     w = _W()
-    c = Commands(w)
+    c = _commands(w)
     c.handle(LOAD)
     assert w.host.asked == [("tcp://p:1", LOAD)] and _reported(w) == [("load", 3, False, w.host.route[1])]
     w.host.route = (None, PARKED)  # its name is being resolved: the host runs it again later
@@ -788,16 +798,16 @@ def test_a_load_is_routed_to_the_session_the_host_finds_for_its_address():
     w = _W()
     s = _Session("out-1")
     w.host.route = (s, "")
-    Commands(w).handle(LOAD)
+    _commands(w).handle(LOAD)
     assert s.calls == [("load", 3, "req", [b"k0", b"k1"], [4, 5])]
     assert w.host.ran == [("out-1", ["load@out-1"])] and _reported(w) == []
-    Commands(w).handle(api.LoadJob(4, "h:1", "req", [b"k0"], [6], ask=True))  # one trip: the Fetch asks
+    _commands(w).handle(api.LoadJob(4, "h:1", "req", [b"k0"], [6], ask=True))  # one trip: the Fetch asks
     assert s.calls[-1] == ("load", 4, "req", [b"k0"], [6], "ask")
 
 
 def test_a_store_is_parked_and_only_news_for_a_lease_reaches_the_host():
     w = _W()
-    c = Commands(w)
+    c = _commands(w)
     c.handle(STORE)
     assert w.lot.stored == [(2, "req", [b"k0"], [7])] and w.host.pumped == []  # nobody leases it yet
     w.lot.news = ("parcel", [b"k9"])
@@ -815,7 +825,7 @@ def test_a_lookup_that_cannot_run_is_answered_as_a_miss_with_the_reason(attached
     w = _W(attached=attached, phase=phase)
     if route is not None:
         w.host.route = route
-    Commands(w).handle(api.LookupKeys(8, "p:1", "req", [b"k"]))
+    _commands(w).handle(api.LookupKeys(8, "p:1", "req", [b"k"]))
     assert _reported(w) == want and w.host.ran == []
     assert (w.host.asked != []) is (route is not None)  # not ready or stopping: no session looked for
 
@@ -825,7 +835,7 @@ def test_a_lookup_runs_on_its_session_even_while_draining():
     w = _W(phase=WorkerPhase.DRAINING)
     s = _Session("out-1")
     w.host.route = (s, "")
-    Commands(w).handle(api.LookupKeys(8, "p:1", "req", [b"k"]))
+    _commands(w).handle(api.LookupKeys(8, "p:1", "req", [b"k"]))
     assert s.calls == [("lookup", 8, [b"k"], "req")] and w.host.ran == [("out-1", ["lookup@out-1"])]
 
 
@@ -835,7 +845,7 @@ def test_a_peers_lookup_is_answered_by_the_first_of_its_sessions_that_serves_it(
     stale, live, later = _Session("in-1", served=False), _Session("in-2"), _Session("in-3")
     other = _Session("in-0", peer_id="someone-else")
     w.host.sessions.update({"in-0": other, "in-1": stale, "in-2": live, "in-3": later})
-    Commands(w).handle(api.AnswerLookup("peer-b", 4, [True, False]))
+    _commands(w).handle(api.AnswerLookup("peer-b", 4, [True, False]))
     assert other.calls == [] and later.calls == []
     assert stale.calls == live.calls == [("answer_lookup", 4, [True, False])]
     assert w.host.ran == [("in-2", ["answer@in-2"])]
@@ -843,7 +853,7 @@ def test_a_peers_lookup_is_answered_by_the_first_of_its_sessions_that_serves_it(
 
 def test_request_finished_and_reset_need_a_region_and_reset_cancels_loads_only_when_asked():
     w = _W(attached=False)
-    c = Commands(w)
+    c = _commands(w)
     c.handle(api.RequestFinished("req"))
     c.handle(api.ResetCache("sleep"))
     assert w.host.pumped == [] and w.host.ran == []
@@ -851,7 +861,7 @@ def test_request_finished_and_reset_need_a_region_and_reset_cancels_loads_only_w
     w = _W()
     w.host.sessions.update({"out-1": _Session("out-1"), "in-2": _Session("in-2")})
     w.lot.reset_answer = ["p1", "p2"]
-    c = Commands(w)
+    c = _commands(w)
     c.handle(api.RequestFinished("req"))
     c.handle(api.ResetCache("drain for shutdown", loads=False))
     assert w.host.pumped == [("parcel req",), ("p1",), ("p2",)] and w.host.ran == []
@@ -864,7 +874,7 @@ def test_consumer_done_reaches_its_session_unless_stopping_or_no_session_is_foun
     w = _W()
     s = _Session("out-1")
     w.host.route = (s, "")
-    c = Commands(w)
+    c = _commands(w)
     c.handle(api.ConsumerDone("p:1", "req"))
     assert w.host.ran == [("out-1", ["done@out-1"])]
     w.host.route = (None, "unreachable")  # its reaper ends what was parked there: nothing to report here
@@ -876,7 +886,7 @@ def test_consumer_done_reaches_its_session_unless_stopping_or_no_session_is_foun
 
 def test_open_session_keeps_a_listed_peer_and_dials_unless_stopping():
     w = _W()
-    c = Commands(w)
+    c = _commands(w)
     c.handle(api.OpenSession("tcp://p:1"))
     c.handle(api.OpenSession("q:2", keep=False))
     assert w.host.peers.kept == {"p:1"} and [a for a, _ in w.host.asked] == ["tcp://p:1", "q:2"]
@@ -892,7 +902,7 @@ def test_close_session_says_bye_on_a_live_session_and_clears_its_backoff():
     w.host.peers.kept.add("p:1")
     w.host.peers.backoff("p:1", "refused", w.clock())
     w.host.sessions["out-1"] = s
-    Commands(w).handle(api.CloseSession("tcp://p:1"))
+    _commands(w).handle(api.CloseSession("tcp://p:1"))
     assert s.calls == [("close", "closed by the adapter", True)] and w.host.ran == [("out-1", ["close@out-1"])]
     assert "p:1" not in w.host.peers.kept and w.host.peers.blocked("p:1", w.clock()) is None
     assert w.ctl.disconnected == []  # the session's bye goes first; its retirement hangs up
@@ -901,7 +911,7 @@ def test_close_session_says_bye_on_a_live_session_and_clears_its_backoff():
 def test_close_session_of_a_link_without_a_session_forgets_and_hangs_up_the_link():
     w = _W()
     w.host.peers.add("p:1", "out-1")
-    c = Commands(w)
+    c = _commands(w)
     c.handle(api.CloseSession("p:1"))
     assert w.host.peers.links == {} and w.ctl.disconnected == ["out-1"]
     c.handle(api.CloseSession("p:1"))  # nothing left: a no-op
@@ -911,7 +921,7 @@ def test_close_session_of_a_link_without_a_session_forgets_and_hangs_up_the_link
 @pytest.mark.parametrize("reason, want", [("", "shutdown command"), ("vLLM exits", "shutdown command: vLLM exits")])
 def test_drain_and_shutdown_reach_the_worker(reason, want):
     w = _W()
-    c = Commands(w)
+    c = _commands(w)
     c.handle(api.Drain())
     c.handle(api.Shutdown(reason))
     assert w.drains == 1 and w.stopped == [want]
@@ -920,7 +930,7 @@ def test_drain_and_shutdown_reach_the_worker(reason, want):
 # ------------------------------------------------------------ commands: taking from the ring, errors, the stop
 def test_a_turn_takes_at_most_its_share_of_commands():
     w = _W(items=[api.Drain() for _ in range(TAKE_PER_TURN + 3)])
-    c = Commands(w)
+    c = _commands(w)
     assert c.take() and w.drains == TAKE_PER_TURN and w.counters["commands"] == TAKE_PER_TURN
     assert c.take() and w.drains == TAKE_PER_TURN + 3
     assert not c.take()  # an empty ring: nothing done
@@ -932,14 +942,14 @@ def test_a_turn_takes_at_most_its_share_of_commands():
 ])
 def test_an_undecodable_command_is_reported_and_the_next_one_still_runs(attached, fatal, says):
     w = _W(attached=attached, items=[msgspec.DecodeError("bad tag"), api.Drain()])
-    assert Commands(w).take()
+    assert _commands(w).take()
     (err,) = w.outbox.events
     assert says in err.message and (err.fatal, err.attach) == (fatal, not attached) and w.drains == 1
 
 
 def test_a_command_over_the_rings_limit_stops_the_worker_and_leaves_the_rest_untaken():
     w = _W(items=[MessageTooLarge(10**9, 1 << 20, "cmd"), api.Drain()])
-    assert Commands(w).take()
+    assert _commands(w).take()
     (err,) = w.outbox.events
     assert "over the ring's limit" in err.message and not err.fatal and w.drains == 0
     assert len(w.stopped) == 1 and "exceeded the ring's limit" in w.stopped[0] and len(w.cmd.items) == 1
@@ -955,7 +965,7 @@ def test_a_command_over_the_rings_limit_stops_the_worker_and_leaves_the_rest_unt
 def test_an_attach_that_fails_is_an_attach_error_fatal_only_for_configuration_errors(error, fatal):
     w = _W(attached=False, items=[api.AttachRegion(None)])
     w.attach_error = error
-    Commands(w).take()
+    _commands(w).take()
     (err,) = w.outbox.events
     assert err.attach and err.fatal is fatal and err.message.startswith("AttachRegion: ") and str(error) in err.message
     assert len(w.attaches) == 1 and w.stopped == []
@@ -969,7 +979,7 @@ def test_a_p2p_error_in_another_command_is_reported_and_a_bug_is_raised():
 
     w.lot.store = broken
     w.cmd.items.append(STORE)
-    c = Commands(w)
+    c = _commands(w)
     c.take()
     (err,) = w.outbox.events
     assert err.message == "StoreJob: duplicate job id 2" and not err.attach and not err.fatal
@@ -987,7 +997,7 @@ def test_at_shutdown_every_queued_job_and_lookup_fails_once_and_other_commands_a
     w = _W(items=[STORE, msgspec.DecodeError("junk"), api.Drain(), api.LookupKeys(9, "p:1", "r", [b"k"]),
                   api.LoadJob(4, "p:1", "r", [b"k"], [1])])
     w.host.resolver.waiting = [LOAD, api.OpenSession("q:2"), api.LookupKeys(8, "q:2", "r", [b"k"])]
-    Commands(w).fail_queued("worker shutting down")
+    _commands(w).fail_queued("worker shutting down")
     why = "worker shutting down"
     assert _reported(w) == [("load", 3, False, why), ("lookup", 8, None, why), ("store", 2, False, why),
                             ("lookup", 9, None, why), ("load", 4, False, why)]
@@ -996,5 +1006,5 @@ def test_at_shutdown_every_queued_job_and_lookup_fails_once_and_other_commands_a
 
 def test_at_shutdown_a_ring_that_fails_ends_the_sweep():
     w = _W(items=[STORE, MessageTooLarge(10**9, 1 << 20, "cmd"), LOAD])
-    Commands(w).fail_queued("bye")
+    _commands(w).fail_queued("bye")
     assert _reported(w) == [("store", 2, False, "bye")] and list(w.cmd.items) == [LOAD]
