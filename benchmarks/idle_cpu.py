@@ -1,7 +1,7 @@
 """CPU of an IDLE `vllm serve` engine with the P2P tier versus the same engine without it, side by side.
 
-    .venv-vllmcpu032/bin/python benchmarks/idle_cpu.py [--seconds 30] [--rounds 3] [--mode together|sequential]
-        [--model DIR] [--wait-others-s 1200]
+    .venv-vllmcpu034/bin/python benchmarks/idle_cpu.py --venv .venv-vllmcpu034 [--seconds 30] [--rounds 3]
+        [--mode together|sequential] [--model DIR] [--wait-others-s 1200] [--json F]
 
 Checks the claim "idle CPU of an engine with the tier stays < 2 % of a core above vLLM's own".
 
@@ -25,7 +25,8 @@ The IdleWaker's wake count lives in the engine core's memory only (engine_hook.I
 from outside.  As a proxy the tier's worker's admin socket is asked, after the windows, for its event ring's depth
 (unread events are what the waker wakes the engine for; heartbeats it skips) and counters.
 
-Prints a table (median, min, max over rounds), then one JSON line.  Stops every engine with SIGTERM (then SIGKILL
+Prints a table (median, min, max over rounds), then one JSON line; the results file (p2pworker/bench/results.py) is
+``benchmarks/results/idle_cpu.json`` by default.  Stops every engine with SIGTERM (then SIGKILL
 of its process group past --stop-timeout-s) and reports anything of ours left: processes, /dev/shm files, admin
 sockets, ipc dirs.
 """
@@ -46,6 +47,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import engines  # noqa: E402
+from p2pworker.bench import results as results_file  # noqa: E402
 from benchmarks.engines import loadavg, proc_stat, tree  # noqa: E402
 from tests.helpers.ports import free_ports  # noqa: E402
 
@@ -225,6 +227,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--stop-timeout-s", type=float, default=60.0)
     ap.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir, kept on failure only)")
+    ap.add_argument("--json", default=None, help="the results file (default: benchmarks/results/idle_cpu.json)")
+    ap.add_argument("--replot", default=None, metavar="FILE", help="print this results file's table; start nothing")
     return ap.parse_args()
 
 
@@ -346,7 +350,8 @@ def _print_table(args: argparse.Namespace, rows: dict[str, dict[str, list[float]
     print(f"{'tier - no_tier':<18}{fmt(diffs):>26}   (per-round paired difference of TOTAL)")
 
 
-def _report(args: argparse.Namespace, report: dict, results: dict[str, list[dict]], order_log: list[str]) -> int:
+def _report(args: argparse.Namespace, saving: results_file.Run, report: dict, results: dict[str, list[dict]],
+            order_log: list[str]) -> int:
     """The table and the JSON line; 1 when an engine's stop left something behind."""
     rows: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
     for c in CONFIGS:
@@ -376,15 +381,29 @@ def _report(args: argparse.Namespace, report: dict, results: dict[str, list[dict
         "claim_lt_2pct": (statistics.median(diffs) < 2.0) if diffs else None,
     }
     print(json.dumps(summary))
+    print(f"results: {saving.save(args.json, summary)}")
     bad = [n for n, s in report["stop"].items() if s["left_processes"] or s["left_files"] or s["sigkill"]]
     if bad:
         print(f"NOT CLEAN: {bad}: {json.dumps({n: report['stop'][n] for n in bad})}", file=sys.stderr)
     return 1 if bad else 0
 
 
+def _replot(path: str) -> int:
+    doc = results_file.load(path, "idle_cpu")
+    r = doc["result"]
+    rows = {c: {k: st["rounds"] for k, st in r["pct_of_core"][c].items()} for c in CONFIGS}
+    print(f"{doc['date']}, {doc['revision']}, vLLM {doc['vllm']}")
+    _print_table(argparse.Namespace(rounds=r["rounds"], seconds=r["seconds"], mode=r["mode"]), rows,
+                 r["diff_total"]["rounds"] if r["diff_total"] else [])
+    return 0
+
+
 def main() -> int:
     args = _args()
+    if args.replot:
+        return _replot(args.replot)
     py = os.path.join(args.venv, "bin", "python")
+    saving = results_file.Run("idle_cpu", python=py)
     report: dict = {"mode": args.mode, "seconds": args.seconds, "rounds": args.rounds, "settle_s": args.settle,
                     "cores": os.cpu_count()}
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="p2pw-idle-cpu-logs.")
@@ -410,7 +429,7 @@ def main() -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
         elif not ok:
             print(f"logs kept in {log_dir}", file=sys.stderr)
-    return _report(args, report, run.results, run.order_log)
+    return _report(args, saving, report, run.results, run.order_log)
 
 
 if __name__ == "__main__":

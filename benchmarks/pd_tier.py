@@ -1,7 +1,10 @@
 """PD transfer through vLLM's tiering manager: P2PWorkerTier (+ its worker) vs vLLM's in-tree `p2p` tier.
 
-    .venv-vllm033/bin/python benchmarks/pd_tier.py [--blocks 3] [--reps 5] [--hog]
-        [--geometries 16384x64,16384x512,262144x64,262144x512]
+    .venv-vllm034/bin/python benchmarks/pd_tier.py [--blocks 3] [--reps 5] [--hog] [--tiers ours,intree]
+        [--geometries 16384x64,16384x512,262144x64,262144x512] [--json F]
+
+The results file (p2pworker/bench/results.py) is ``benchmarks/results/pd_tier.json`` by default (``pd_tier-hog.json``
+with ``--hog``); what was measured before a failure is kept in it.
 
 Two processes per tier kind, each a real ``TieringOffloadingManager`` (built through
 ``OffloadingSpecFactory`` exactly as vLLM does; scheduler side only, so it runs on the CPU) whose only
@@ -32,7 +35,6 @@ import argparse
 import contextlib
 import hashlib
 import inspect
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -47,8 +49,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, ROOT)
 from tests.helpers.ports import free_ports  # noqa: E402  (ports below the ephemeral range: no other bind(0) takes them)
+from p2pworker.bench import results as results_file  # noqa: E402
 
 BASE_TREE_ENV = "PD_TIER_BASE_TREE"  # --base-tree, for the spawned schedulers of kind ours-base
 TIER_METHODS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "on_new_request",
@@ -93,6 +97,9 @@ def _mk(cls, **kw):
     return cls(**{k: v for k, v in kw.items() if k in ok})
 
 
+TIERS = {"ours", "ours-base", "intree", "ideal", "ideal-nocopy"}
+
+
 def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port: int = 0,
           tier_extra: dict | None = None):
     from vllm.v1.kv_offload.config import (
@@ -106,12 +113,6 @@ def build(kind: str, name: str, port: int, row: int, num_chunks: int, peer_port:
 
     if kind.startswith("ours"):
         tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port}
-        if kind == "ours-listed" and peer_port:  # the decode tier lists the prefill worker: connected at start
-            tier["peers"] = [f"127.0.0.1:{peer_port}"]
-        if kind == "ours-2copy":  # two copy threads for a large same-host copy (the default on >= 4 CPUs)
-            tier["worker_settings"] = {"data": {"copy_threads": 2}}
-        if kind == "ours-noprefault":  # the consumer's worker copies out of a peer region it did not pre-fault
-            tier["worker_settings"] = {"data": {"prefault_peers": False}}
     elif kind.startswith("ideal"):  # the floors: no peer, bytes staged in-process (benchmarks/ideal_tier.py)
         tier = {"type": "IdealTier", "module_path": "benchmarks.ideal_tier", "copy": kind == "ideal"}
     else:
@@ -174,9 +175,9 @@ def _hop_install(tier, role):
     return TR
 
 
-def _bench_instruments(open_ahead: bool):
-    """The tier's instruments for this benchmark: ``ours-noahead`` vetoes opening a session ahead (the first load
-    opens it, as before on_new_request did); with $HOPTRACE_DIR, a "pump" row each time the tier collects events."""
+def _bench_instruments():
+    """The tier's instruments for this benchmark: with $HOPTRACE_DIR, a "pump" row each time the tier collects
+    events."""
     from vllm_adapter.instruments import TierInstruments
 
     class _BenchInstruments(TierInstruments):
@@ -186,9 +187,6 @@ def _bench_instruments(open_ahead: bool):
             if self.trace is not None:
                 self.trace.append((time.monotonic_ns(), "pump",
                                    "main" if threading.current_thread() is threading.main_thread() else "poll"))
-
-        def on_open_ahead(self, address: str) -> bool:
-            return open_ahead
 
     return _BenchInstruments()
 
@@ -274,7 +272,7 @@ class _Scheduler:
         self.kind, self.row, self.mgr, self.kv = kind, row, mgr, kv
         tier = mgr.secondary_tiers[0]
         if kind.startswith("ours"):  # the tier's named points (vllm_adapter/instruments.py)
-            tier.instruments = _bench_instruments(open_ahead=kind != "ours-noahead")
+            tier.instruments = _bench_instruments()
         # $HOPTRACE_DIR set: per-hop trace of our tier (benchmarks/hops/: the workers' side is trace_hook.py)
         self.TR = _hop_install(tier, role) if kind.startswith("ours") and os.environ.get("HOPTRACE_DIR") else None
         self.ACC = _hop_acc(mgr, tier) if self.TR is not None else None
@@ -657,7 +655,7 @@ def summarize(blocks: list[list[dict]], row: int, n: int) -> dict:
     return out
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=3, help="fresh pairs per geometry and tier, tiers alternated")
     ap.add_argument("--reps", type=int, default=5, help="requests per block (the first one is cold)")
@@ -665,29 +663,51 @@ def main() -> None:
     ap.add_argument("--geometries", default="16384x64,16384x512,262144x64,262144x512", help="ROW_BYTESxCHUNKS,...")
     ap.add_argument("--tiers", default="ours,intree",
                     help="ours, ours-base (ours from --base-tree: another revision, alternated with this one), "
-                         "ours-listed (the decode tier lists the prefill worker in `peers`), ours-noprefault "
-                         "([data] prefault_peers = false), ours-noahead (the session opened by the first load, "
-                         "not at on_new_request), ours-2copy ([data] copy_threads = 2; the default is 1 below 4 "
-                         "CPUs), intree, ideal (a floor: vLLM's own passes and one in-process copy on a thread), "
-                         "ideal-nocopy (vLLM's own passes alone; no byte check); "
-                         "benchmarks/ideal_tier.py")
-    ap.add_argument("--json", metavar="FILE", help="also write every figure (per method) to FILE")
+                         "intree, ideal (a floor: vLLM's own passes and one in-process copy on a thread), "
+                         "ideal-nocopy (vLLM's own passes alone; no byte check; benchmarks/ideal_tier.py)")
+    ap.add_argument("--json", metavar="FILE", help="the results file (default: benchmarks/results/pd_tier.json, "
+                    "pd_tier-hog.json with --hog)")
+    ap.add_argument("--replot", metavar="FILE", help="print the figures of this results file again; start nothing")
+    ap.add_argument("--hops", metavar="DIR", help="trace our tier's schedulers and workers into DIR and print where a "
+                    "warm fetch's time goes, per hop (benchmarks/hops/analyze.py; --tiers ours)")
     ap.add_argument("--base-tree", metavar="DIR", help="a checkout of another revision (git worktree add DIR REV) "
                     "for --tiers ours-base; its schedulers import the tier from DIR and start DIR's worker")
     a = ap.parse_args()
+    unknown = set(a.tiers.split(",")) - TIERS
+    if unknown:
+        ap.error(f"--tiers {sorted(unknown)}: not one of {sorted(TIERS)}")
+    return a
+
+
+def _prepare(a: argparse.Namespace) -> None:
+    """What the chosen tiers and --hops need, set before any scheduler is spawned (they inherit the environment)."""
     if "ours-base" in a.tiers.split(","):
         if not a.base_tree or not os.path.isfile(os.path.join(a.base_tree, "vllm_adapter", "tier.py")):
             sys.exit("pd_tier: --tiers ours-base needs --base-tree DIR, a checkout with vllm_adapter/tier.py")
-        os.environ[BASE_TREE_ENV] = os.path.abspath(a.base_tree)  # the spawned schedulers inherit it
-    import vllm
-
+        os.environ[BASE_TREE_ENV] = os.path.abspath(a.base_tree)
     if "intree" in a.tiers.split(","):
         check_intree_nixl()
+    if a.hops:  # benchmarks/hops/README.md
+        os.makedirs(a.hops, exist_ok=True)
+        os.environ.update(HOPTRACE_DIR=os.path.abspath(a.hops), P2PWORKER_HOOK="benchmarks.hops.trace_hook:install",
+                          PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
 
-    results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "geometries": {},
-               "revision": _revision(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+
+def main() -> None:
+    a = _args()
+    if a.replot:
+        doc = results_file.load(a.replot, "pd_tier")
+        for title, g in doc["result"]["geometries"].items():
+            _print(f"{title} chunks, vLLM {doc['result']['vllm']} ({doc['date']}, {doc['revision']})", g)
+        return
+    _prepare(a)
+    import vllm
+
+    run = results_file.Run("pd_tier", "hog" if a.hog else "")
+    results = {"vllm": vllm.__version__, "blocks": a.blocks, "reps": a.reps, "hog": a.hog, "tiers": a.tiers,
+               "geometries": {}}
     if a.base_tree:
-        results["base_revision"] = _revision(a.base_tree)
+        results["base_revision"] = results_file.revision(a.base_tree)
     # `timeout` or a service manager stops us with SIGTERM: unwind like Ctrl-C, so every finally below runs (the
     # open pair is closed, the hog stopped) instead of leaving schedulers and a spinning hog behind
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -713,17 +733,9 @@ def main() -> None:
         if hog is not None:
             hog.kill()
             hog.join(5)
-        if a.json:  # what was measured before a failure is kept
-            with open(a.json, "w") as f:
-                json.dump(results, f, indent=1)
-
-
-def _revision(tree: str) -> str:
-    """The tree's commit, with "+dirty" when its tracked files differ from it (what was measured, in the JSON)."""
-    def git(*args):
-        return subprocess.run(["git", "-C", tree, *args], capture_output=True, text=True, timeout=30).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
-                                                    else "")
+        print(f"results: {run.save(a.json, results)}")  # what was measured before a failure is kept
+    if a.hops:
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hops", "analyze.py"), a.hops], check=False)
 
 
 def check_intree_nixl() -> None:
@@ -775,9 +787,15 @@ def _report(results: dict, blocks: dict[str, list[list[dict]]], row: int, n: int
                 f"warm_{k}_over_{floor}": round(g[k]["warm_ms"] / g[floor]["warm_ms"], 2)
                 for k in blocks if not k.startswith("ideal")})
     results["geometries"][f"{row // 1024} KiB x {n}"] = g
-    print(f"== {row // 1024} KiB x {n} chunks ({row * n / 2**20:.0f} MiB), vLLM {vllm.__version__}", flush=True)
-    for k in blocks:
-        s = g[k]
+    _print(f"{row // 1024} KiB x {n} chunks ({row * n / 2**20:.0f} MiB), vLLM {vllm.__version__}", g)
+
+
+def _print(title: str, g: dict) -> None:
+    """One geometry's figures, as a run prints them and --replot prints them again from the results file."""
+    print(f"== {title}", flush=True)
+    for k, s in g.items():
+        if k == "ratios":
+            continue
         print(f"  {k:7s} cold {s['cold_ms']:7.1f} ms  warm {s['warm_ms']:7.1f} ms ({s['warm_GBps']:.2f} GB/s, "
               f"{s['warm_passes']:g} lookup passes: first {s['first_pass_ms']:.2f} ms, then "
               f"{s['later_pass_ms']:.2f} ms each)"

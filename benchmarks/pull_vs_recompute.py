@@ -1,8 +1,8 @@
 """Time to first token with a prefix pulled from a peer over P2P versus recomputed, on real `vllm serve` engines.
 
-    .venv-vllmcpu032/bin/python benchmarks/pull_vs_recompute.py [--chunks 1,2,4,8,15] [--reps 5]
-        [--tiers ours,intree] [--hosts one|two] [--json F] [--plot docs/pull_vs_recompute.png] [--model DIR]
-    .venv-vllmcpu032/bin/python benchmarks/pull_vs_recompute.py --replot F.json --plot docs/pull_vs_recompute.png
+    .venv-vllmcpu034/bin/python benchmarks/pull_vs_recompute.py --venv .venv-vllmcpu034 [--chunks 1,2,4,8,15]
+        [--reps 5] [--tiers ours,intree] [--hosts one|two] [--hops DIR] [--json F] [--plot F.png] [--model DIR]
+    .venv/bin/python benchmarks/pull_vs_recompute.py --replot benchmarks/results/pull_vs_recompute.json
 
 Per tier (``ours``: the P2PWorkerTier; ``intree``: vLLM's own ``p2p`` tier, NIXL over UCX) one pair of engines on
 vLLM's CPU backend (benchmarks/engines.py; the tiny test model unless --model): a *source* on core 0 and a
@@ -27,10 +27,13 @@ that silently recomputed is never timed as a pull).  Each cell's answer (12 gree
 after the timed request) must equal a plain engine's, asked first with a ``cache_salt`` (no cache can answer it).
 
 Output: a table per tier (median [min..max] ms), the crossover (the shortest prefix from which the pull beats
-recompute at every longer tested length, as ``p2pworker calibrate`` recommends it), one JSON line, ``--json F``, and
-the plot (matplotlib; scripts/setup.sh --bench installs it).  Exit status 1 when a cell failed or an engine's stop
-left anything behind.  On the tiny model recompute is very cheap (a few hundred FLOP per KV byte where a real model
-does ~10^5), so "no crossover" is an honest outcome there, printed as such.
+recompute at every longer tested length, as ``p2pworker calibrate`` recommends it), one JSON line, the results file
+(p2pworker/bench/results.py; default ``benchmarks/results/pull_vs_recompute[-two_hosts].json``) and the plot beside it
+(matplotlib; scripts/setup.sh --bench installs it).  ``--hops DIR`` also traces both workers and the engine cores
+(benchmarks/hops) and splits each pull of ours into its hops, kept in the results file under ``hops``.  Exit
+status 1 when a cell failed or an engine's stop left anything behind.  On the tiny model recompute is very cheap
+(a few hundred FLOP per KV byte where a real model does ~10^5), so "no crossover" is an honest outcome there,
+printed as such.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import argparse
 import contextlib
 import enum
 import functools
+import glob
 import json
 import os
 import random
@@ -58,6 +62,8 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import engines  # noqa: E402
+from p2pworker.bench import results  # noqa: E402
+from benchmarks.hops import pulls as hop_pulls  # noqa: E402
 from p2pworker.calibrate import (CachedTokens, Http, Point, Served, classify, crossover,  # noqa: E402
                                  expected_hit_tokens, total)
 from tests.helpers.hosts.emulate import NETNS, TwoHosts  # noqa: E402
@@ -67,6 +73,7 @@ TAIL = 8  # prompt tokens past the last full block: every block is then cacheabl
 ANSWER_TOKENS = 12
 LOGPROB_TOL = 1e-4  # KV from another engine or tier: same floats up to summation order
 RUNNING = "vllm:num_requests_running"
+BENCHMARK = "pull_vs_recompute"
 
 
 class Tier(enum.Enum):
@@ -462,14 +469,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--venv", default=sys.prefix, help="the vLLM venv the engines run in")
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--stop-timeout-s", type=float, default=40.0)
-    ap.add_argument("--json", default=None, help="write the report here")
-    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "pull_vs_recompute.png"),
-                    help="the TTFT plot ('' for none)")
-    ap.add_argument("--replot", default=None, help="draw --plot from this --json of an earlier run; start nothing")
+    ap.add_argument("--json", default=None, help="the results file (default: benchmarks/results/"
+                    "pull_vs_recompute.json, -two_hosts with --hosts two)")
+    ap.add_argument("--plot", default=None, help="the TTFT plot (default: the results file with .png; '' for none)")
+    ap.add_argument("--replot", default=None, help="draw --plot from this results file; start nothing")
+    ap.add_argument("--hops", default=None, metavar="DIR", help="trace both workers (P2PWORKER_HOOK) and the engine "
+                    "cores (benchmarks/hops/engine_site) into DIR and split each pull of ours into hops")
     ap.add_argument("--ttft-log", default=None, help="append each timed request's send and first-token "
-                    "CLOCK_MONOTONIC ns, its pull id and its arm here (benchmarks/hops/pulls.py)")
+                    "CLOCK_MONOTONIC ns, its pull id and its arm here (benchmarks/hops/pulls.py; --hops sets it)")
     ap.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir, kept on failure only)")
     a = ap.parse_args(argv)
+    if a.replot:
+        a.plot = a.plot if a.plot is not None else os.path.splitext(a.replot)[0] + ".png"
+        return a
+    a.json = a.json or results.default_path(BENCHMARK, "two_hosts" if a.hosts == Hosts.TWO.value else "")
+    a.plot = a.plot if a.plot is not None else os.path.splitext(a.json)[0] + ".png"
+    if a.hops:
+        a.ttft_log = os.path.join(a.hops, "ttft.txt")
     longest = (a.max_model_len - TAIL - ANSWER_TOKENS) // a.block_size
     a.chunk_list = ([int(x) for x in a.chunks.split(",") if x.strip()] if a.chunks else
                     sorted({1 << k for k in range(16) if 1 << k <= longest} | {longest}))
@@ -504,11 +520,22 @@ def _ensure_model(a: argparse.Namespace) -> str | None:
     return made
 
 
+def _trace_into(trace_dir: str) -> None:
+    """--hops: every process started from here on traces into ``trace_dir`` (benchmarks/hops/README.md): our
+    workers through their test hook, the engine cores through engine_site's sitecustomize."""
+    os.makedirs(trace_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(trace_dir, "*.txt")):
+        os.unlink(stale)  # rows of an earlier run would be aligned with this one's
+    os.environ.update(HOPTRACE_DIR=os.path.abspath(trace_dir), P2PWORKER_HOOK="benchmarks.hops.trace_hook:install",
+                      PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "benchmarks", "hops", "engine_site"), ROOT,
+                                                  *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 def _interrupted(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")  # `timeout` sends SIGTERM: unwind, so every engine is stopped
 
 
-def _finish(a: argparse.Namespace, report: dict, cells: list[Cell]) -> int:
+def _finish(a: argparse.Namespace, run: results.Run, report: dict, cells: list[Cell]) -> int:
     summary = summarize(cells)
     report.update(summary=summary, cells=[c.to_json() for c in cells], loadavg_after=engines.loadavg())
     failed = [c.to_json() for c in cells if c.problem]
@@ -525,9 +552,10 @@ def _finish(a: argparse.Namespace, report: dict, cells: list[Cell]) -> int:
     if a.plot:
         why = plot(summary, a.plot, f"TTFT: pull vs recompute ({a.reps} reps, block {a.block_size})")
         print(f"plot: {a.plot}" if why is None else f"plot: {why}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+    if a.hops:
+        report["hops"] = hop_pulls.medians(a.hops)
+        hop_pulls.main([a.hops])
+    print(f"results: {run.save(a.json, report)}")
     print(json.dumps({k: v for k, v in report.items() if k != "cells"}))
     for f in failed:
         print(f"FAILED cell: {f}", file=sys.stderr)
@@ -538,11 +566,17 @@ def _finish(a: argparse.Namespace, report: dict, cells: list[Cell]) -> int:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.replot:
-        with open(a.replot) as f:
-            why = plot(json.load(f)["summary"], a.plot, "TTFT: pull vs recompute")
-        print(why or f"plot: {a.plot}")
+    if a.replot:  # the table again, and the plot unless --plot ''
+        doc = results.load(a.replot, BENCHMARK)
+        print(f"{doc['date']}, {doc['revision']}, vLLM {doc['vllm']}")
+        print(table(doc["result"]["summary"]))
+        why = plot(doc["result"]["summary"], a.plot, "TTFT: pull vs recompute") if a.plot else None
+        print(why or (f"plot: {a.plot}" if a.plot else ""))
         return 1 if why else 0
+    run = results.Run(BENCHMARK, "two_hosts" if a.hosts == Hosts.TWO.value else "",
+                      python=os.path.join(a.venv, "bin", "python"))
+    if a.hops:
+        _trace_into(a.hops)
     tiers = [Tier(t) for t in a.tiers.split(",")]
     if Tier.INTREE in tiers and (why := check_intree_nixl(os.path.join(a.venv, "bin", "python"))):
         sys.exit(f"pull_vs_recompute: {why}")
@@ -566,7 +600,7 @@ def main(argv=None) -> int:
     finally:
         if model_tmp:
             shutil.rmtree(model_tmp, ignore_errors=True)
-    rc = _finish(a, report, cells)
+    rc = _finish(a, run, report, cells)
     if rc == 0 and not a.log_dir:
         shutil.rmtree(log_dir, ignore_errors=True)
     return rc

@@ -1,6 +1,8 @@
 """Cost per chunk as requests grow: 64 to 65,536 chunks per request (a 1M-token prompt at 16 tokens per chunk).
 
-    .venv-vllm033/bin/python benchmarks/scale_keys.py [--sizes 64,1024,8192,65536] [--reps 3] [--json out.json]
+    .venv-vllm034/bin/python benchmarks/scale_keys.py [--sizes 64,1024,8192,65536] [--reps 3] [--json F]
+
+The results file (p2pworker/bench/results.py): ``benchmarks/results/scale_keys.json`` by default.
 
 Two real ``TieringOffloadingManager`` s (vLLM's own, scheduler side, built as vLLM builds them) in this process,
 each with P2PWorkerTier and its worker, on loopback with real NIXL; 4 KiB chunks (vLLM's smallest: chunks are
@@ -22,7 +24,6 @@ warm requests (a 64-chunk request opens the session first), and per chunk:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +34,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pd_tier import Timed, build  # noqa: E402  (a sibling script, not a package)
 
-from tests.helpers.ports import free_port  # noqa: E402  (pd_tier put the repository root on sys.path)
+from p2pworker.bench import results  # noqa: E402  (pd_tier put the repository root on sys.path)
+from tests.helpers.ports import free_port  # noqa: E402
 
 ROW = 4096
 
@@ -159,36 +161,51 @@ def measure(n: int, reps: int, capacity_factor: int) -> dict:
             "e2e_us_per_chunk": med["e2e_s"] / n * 1e6, "load_us_per_chunk": med["load_s"] / n * 1e6, "runs": runs}
 
 
+def _header() -> None:
+    print(f"{'chunks':>8} {'sched us/chunk':>15} {'worker us/chunk':>16} {'load us/chunk':>14} {'e2e us/chunk':>13} "
+          f"{'e2e ms':>9}  ok")
+
+
+def _row(r: dict) -> None:
+    print(f"{r['chunks']:>8} {r['sched_us_per_chunk']:>15.2f} {r['worker_us_per_chunk']:>16.2f} "
+          f"{r['load_us_per_chunk']:>14.2f} {r['e2e_us_per_chunk']:>13.2f} {r['e2e_s'] * 1e3:>9.1f}  {r['all_ok']}",
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="64,1024,8192,65536")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default=None, help="the results file (default: benchmarks/results/scale_keys.json)")
+    ap.add_argument("--replot", default=None, metavar="FILE", help="print this results file's figures; start nothing")
     ap.add_argument("--capacity-factor", type=int, default=0,
                     help="each engine's CPU tier holds this many requests' chunks (default reps + 2: no request "
                          "evicts another; 2: from the third request on, rows freed by eviction are reused)")
     args = ap.parse_args()
+    if args.replot:
+        doc = results.load(args.replot, "scale_keys")
+        print(f"vLLM {doc['result']['vllm']}, {doc['date']}, {doc['revision']}")
+        _header()
+        for r in doc["result"]["results"]:
+            _row(r)
+        return
     os.environ.setdefault("P2PWORKER_SECRET", "scale-keys-bench")
     import vllm
 
+    run = results.Run("scale_keys")
     out = {"vllm": vllm.__version__, "row_bytes": ROW, "results": []}
-    print(f"{'chunks':>8} {'sched us/chunk':>15} {'worker us/chunk':>16} {'load us/chunk':>14} {'e2e us/chunk':>13} "
-          f"{'e2e ms':>9}  ok")
+    _header()
     for n in (int(x) for x in args.sizes.split(",")):
         r = measure(n, args.reps, args.capacity_factor or args.reps + 2)
         out["results"].append(r)
-        print(f"{n:>8} {r['sched_us_per_chunk']:>15.2f} {r['worker_us_per_chunk']:>16.2f} "
-              f"{r['load_us_per_chunk']:>14.2f} "
-              f"{r['e2e_us_per_chunk']:>13.2f} {r['e2e_s'] * 1e3:>9.1f}  {r['all_ok']}", flush=True)
+        _row(r)
     by = {r["chunks"]: r for r in out["results"]}
     if 1024 in by and 65536 in by:
         out["ratio_65536_vs_1024"] = {k: by[65536][k] / max(by[1024][k], 1e-9) for k in
                                       ("sched_us_per_chunk", "worker_us_per_chunk", "load_us_per_chunk",
                                        "e2e_us_per_chunk")}
         print("per-chunk ratio 65,536 vs 1,024:", {k: round(v, 2) for k, v in out["ratio_65536_vs_1024"].items()})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    print(f"results: {run.save(args.json, out)}")
 
 
 if __name__ == "__main__":

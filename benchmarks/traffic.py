@@ -1,10 +1,13 @@
 """Multi-turn chat traffic on real `vllm serve` engines: TTFT percentiles, inter-token latency, throughput, where the
 prompt tokens came from and the engines' CPU, per arm and request rate, and each arm's goodput at a TTFT target.
 
-    .venv-vllmcpu032/bin/python benchmarks/traffic.py [--arms ours,intree,none] [--rates 1,2,4]
-        [--conversations 16] [--turns 4] [--think-s 1] [--cpu-mib 64] [--shape p2p|pd] [--autogroup off]
-        [--json benchmarks/results/F.json] [--plot F.png]
-    .venv-vllmcpu032/bin/python benchmarks/traffic.py --replot F.json --plot F.png
+    .venv-vllmcpu034/bin/python benchmarks/traffic.py --venv .venv-vllmcpu034 [--arms ours,intree,none]
+        [--rates 1,2,4] [--conversations 16] [--turns 4] [--think-s 1] [--cpu-mib 64] [--shape p2p|pd]
+        [--autogroup off] [--scenario NAME] [--json F] [--plot F.png]
+    .venv/bin/python benchmarks/traffic.py --replot benchmarks/results/traffic.json
+
+The results file (p2pworker/bench/results.py) is ``benchmarks/results/traffic[-SCENARIO].json`` by default (the scenario
+defaults to the shape when it is not p2p), the plot beside it.
 
 The workload (benchmarks/traffic_plan.py): N conversations of T turns, arriving as a Poisson process at rate / T
 conversations per second, each turn after an exponential think time, every history replayed from the seed (so every
@@ -47,12 +50,14 @@ from dataclasses import asdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import engines  # noqa: E402
+from p2pworker.bench import results  # noqa: E402
 from benchmarks.traffic_load import Endpoint, Fleet, run_rate  # noqa: E402
 from benchmarks.traffic_plan import (Arm, Goodput, RatePoint, Shape, Span, Workload, goodput,  # noqa: E402
                                      ttft_target_ms, verdict)
 from tests.helpers.ports import free_ports  # noqa: E402
 
 PERCENTILES = ("p50", "p90", "p99")
+BENCHMARK = "traffic"
 
 
 # ---------------------------------------------------------------------------------------------------- engines
@@ -295,12 +300,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--venv", default=sys.prefix)
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--stop-timeout-s", type=float, default=40.0)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None, help="default: the --json path with .png")
-    ap.add_argument("--replot", default=None)
+    ap.add_argument("--scenario", default=None, help="names the results file (default: the shape, none for p2p)")
+    ap.add_argument("--json", default=None, help="the results file (default: benchmarks/results/traffic"
+                    "[-SCENARIO].json)")
+    ap.add_argument("--plot", default=None, help="default: the results file with .png ('' for none)")
+    ap.add_argument("--replot", default=None, help="draw --plot from this results file; start nothing")
     ap.add_argument("--log-dir", default=None)
     a = ap.parse_args(argv)
     a.rate_list = [float(x) for x in a.rates.split(",") if x.strip()]
+    if a.scenario is None:
+        a.scenario = "" if a.shape == "p2p" else a.shape
+    a.json = a.json or results.default_path(BENCHMARK, a.scenario)
     return a
 
 
@@ -323,7 +333,7 @@ def _set_autogroup(value: str) -> None:
         f.write(value)
 
 
-def _finish(a: argparse.Namespace, report: dict) -> int:
+def _finish(a: argparse.Namespace, run: results.Run, report: dict) -> int:
     report["judgement"] = judge(report, a.target_factor)
     failed = {f"{arm}@{rate}": r["client"]["failed"] for arm, x in report["arms"].items()
               for rate, r in x["rates"].items() if r["client"]["failed"]}
@@ -334,13 +344,11 @@ def _finish(a: argparse.Namespace, report: dict) -> int:
     print()
     print(table(report))
     print(json.dumps(report["judgement"]))
-    path = a.plot if a.plot is not None else (os.path.splitext(a.json)[0] + ".png" if a.json else "")
+    path = a.plot if a.plot is not None else os.path.splitext(a.json)[0] + ".png"
     if path:
         why = plot(report, path)
         print(f"plot: {path}" if why is None else f"plot: {why}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+    print(f"results: {run.save(a.json, report)}")
     for what, x in (("FAILED requests", failed), ("ANSWERS DIFFER", differ), ("NOT CLEAN", stops)):
         if x:
             print(f"{what}: {x}", file=sys.stderr)
@@ -349,11 +357,15 @@ def _finish(a: argparse.Namespace, report: dict) -> int:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.replot:
-        with open(a.replot) as f:
-            why = plot(json.load(f), a.plot or os.path.splitext(a.replot)[0] + ".png")
-        print(why or "plot written")
+    if a.replot:  # the table again, and the plot unless --plot ''
+        doc = results.load(a.replot, BENCHMARK)
+        print(f"{doc['date']}, {doc['revision']}, vLLM {doc['vllm']}")
+        print(table(doc["result"]))
+        path = a.plot if a.plot is not None else os.path.splitext(a.replot)[0] + ".png"
+        why = plot(doc["result"], path) if path else None
+        print(why or (f"plot: {path}" if path else ""))
         return 1 if why else 0
+    run = results.Run(BENCHMARK, a.scenario, python=os.path.join(a.venv, "bin", "python"))
     w = workload(a)
     arms = [Arm(x) for x in a.arms.split(",")]
     if Arm.INTREE in arms:
@@ -389,7 +401,7 @@ def main(argv=None) -> int:
             _set_autogroup(restore)
         if model_tmp:
             shutil.rmtree(model_tmp, ignore_errors=True)
-    rc = _finish(a, report)
+    rc = _finish(a, run, report)
     print(f"engine logs: {log_dir}" if rc or a.log_dir else "")
     if rc == 0 and not a.log_dir:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -432,8 +432,11 @@ def demo(requests: int, blocks: int, block_kib: int, inflight: int, backend: str
 @click.option("--inflight", default=4, show_default=True)
 @click.option("--path", "paths", multiple=True, type=click.Choice(["nixl", "same_host"]),
               default=("nixl", "same_host"), show_default=True, help="Data paths to run the workers on.")
+@click.option("--save", "save_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write the rows as a results file (the benchmarks' format, p2pworker/bench/results.py): "
+                   "benchmarks/results/bench.json in a checkout.")
 def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, ...], requests: int,
-          inflight: int, paths: tuple[str, ...]) -> None:
+          inflight: int, paths: tuple[str, ...], save_path: str | None) -> None:
     """Throughput and latency through two workers vs raw NIXL and memcpy in the same run.
 
     ``workers_gbps``: PD requests (contiguous rows) through both workers'
@@ -449,9 +452,11 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
     import tempfile
 
     from p2pworker.admin import query
+    from p2pworker.bench import results
     from p2pworker.bench.data_throughput import bench_geometry
     from p2pworker.bench.pd import PDRig
 
+    saving = results.Run("bench") if save_path else None
     rows = []
     log = tempfile.NamedTemporaryFile(prefix="p2pworker-bench-", suffix=".log", delete=False)
     t_start = time.perf_counter()
@@ -491,6 +496,9 @@ def bench(as_json: bool, block_kibs: tuple[int, ...], block_counts: tuple[int, .
                     if as_json:
                         click.echo(json.dumps(row), nl=True)
     os.unlink(log.name)
+    if saving is not None:
+        click.echo(f"results: {saving.save(save_path, {'requests': requests, 'inflight': inflight, 'rows': rows})}",
+                   err=True)
     if not as_json:
         click.echo(_table([[r["block_bytes"] // 1024, r["blocks"], r["data_path"], r["workers_gbps"],
                             r["raw_nixl_gbps"], r["memcpy_gbps"], r["ratio"], r["vs_memcpy"], r["latency_ms_p50"],

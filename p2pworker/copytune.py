@@ -4,8 +4,8 @@ A same-host copy (p2pworker.data.samehost.Copier) moves megabytes that nobody re
 the row is a GPU DMA, or another copy many steps later.  glibc's ``memmove`` uses ordinary stores below its
 non-temporal threshold, so every destination line is first read from DRAM (read-for-ownership) and then written
 back: three DRAM transfers per byte instead of two.  glibc sets that threshold from the cache size; on the
-2-core EPYC VMs this was measured on it is 0xf000000 (240 MiB), so no copy of ours streamed.  Measured here with
-``benchmarks/stream_copy.py`` (docs/configuration.md, "Streaming copies").
+2-core EPYC VMs this runs on it is 0xf000000 (240 MiB), so no copy of ours streamed (docs/configuration.md,
+"Streaming copies"; ``p2pworker bench --path same_host`` measures the copies through two workers).
 
 The threshold is a glibc tunable, read once when a process starts: so the worker is started with it
 (:func:`worker_env`, used by ``WorkerClient``), and ``p2pworker launch`` started without it (an operator's own

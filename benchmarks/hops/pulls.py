@@ -196,11 +196,30 @@ def print_chain(names: tuple[str, ...], ps: list[dict]) -> None:
           + f" {statistics.median(p['ttft_ms'] for p in ps):8.1f}")
 
 
-def main() -> int:
-    every = pulls(sys.argv[1])
+def medians(trace_dir: str) -> dict:
+    """Per chain (two steps, one trip) and for the local hits: how many, and the median ms of each hop and of TTFT
+    (what ``pull_vs_recompute.py --hops`` keeps in its results file)."""
+    every = pulls(trace_dir)
+    out = {}
+    for label, items, names in (("local", [p for p in every if p["rid"] == "-"], None),
+                                *((("two_steps" if n == HOPS else "one_trip"), None, n) for n in (HOPS, ONE_TRIP))):
+        if items is None:
+            items = [p for p in every if p["rid"] != "-"
+                     and tuple(h for h in p["hops_ms"] if h not in FINISH) == names]
+        if items:
+            hops = list(dict.fromkeys(h for p in items for h in p["hops_ms"]))  # in chain order
+            out[label] = {"n": len(items), "ttft_ms": statistics.median(p["ttft_ms"] for p in items),
+                          "hops_ms": {h: statistics.median(p["hops_ms"][h] for p in items if h in p["hops_ms"])
+                                      for h in hops}}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    every = pulls((sys.argv[1:] if argv is None else argv)[0])
     ps = [p for p in every if p["rid"] != "-"]
     if not ps:
-        raise SystemExit("no complete pull in the trace")
+        print("no complete pull in the trace", file=sys.stderr)
+        return 1
     split = [p for p in ps if "notice" in p["hops_ms"]]
     local = [p for p in every if p["rid"] == "-"]
     def medians(names: tuple[str, ...], items: list[dict]) -> str:

@@ -297,7 +297,7 @@ class ParkingLot:
         offered = lease.offered
         moved = set(read).intersection(offered)  # only what was offered can count as read
         unread = [] if len(moved) == len(offered) else [k for k in offered if k not in moved]
-        # Per store job, with set operations (C loops instead of a call per key; benchmarks/session_cpu.py).  Jobs in
+        # Per store job, with set operations (C loops instead of a Python call per key).  Jobs in
         # the order they were stored (a few) or their keys were offered (many), the same on every run.
         jobs = list(p.jobs) if len(p.jobs) <= 8 else dict.fromkeys(map(p.job_of.get, offered))
         for job in jobs:

@@ -1,5 +1,5 @@
 """Fault suite fixtures: the nodes a test makes (closed at its end, their data path checked) and the figures it
-measured (written for benchmarks/reliability_table.py).  The harness itself: tests/helpers/fault.py."""
+measured (written for scripts/reliability_table.py).  The harness itself: tests/helpers/fault.py."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def nodes(shm_prefix, tmp_path, data_path):
 
 @pytest.fixture(scope="session")
 def figures():
-    """Measured figures; written to $P2PWORKER_FIGURES (JSON lines) for benchmarks/reliability_table.py."""
+    """Measured figures; written to $P2PWORKER_FIGURES (JSON lines) for scripts/reliability_table.py."""
     rows: list[dict] = []
     yield rows
     path = os.environ.get("P2PWORKER_FIGURES")

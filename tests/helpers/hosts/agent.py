@@ -19,12 +19,6 @@ per line; an answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
     {"op": "decoy", "path": P, "nbytes": N} -> {"ok": true}         a file of N bytes at P in this host's /dev/shm
                                                                     (removed at stop), e.g. another host's region path
 
-Raw NIXL beside the worker, over the same wire (benchmarks/hosts_bench.py's baseline): the agent's own NIXL agent
-registers the same region; the target side keeps a progress thread running (over TCP a peer's READ is served only
-while the target progresses) until raw_close.
-    {"op": "raw_open", "serve": bool} -> {"ok": true, "metadata": hex, "base": addr}
-    {"op": "raw_read", "metadata": hex, "base": addr, "rows": n, "dst": first_row, "reps": R} -> {"seconds": [...]}
-    {"op": "raw_close"}
 """
 
 from __future__ import annotations
@@ -33,14 +27,12 @@ import hashlib
 import json
 import os
 import sys
-import threading
 import time
 from typing import Callable
 
 import numpy as np
 
 from p2pworker import admin, api
-from p2pworker.bench.data_throughput import raw_read
 from p2pworker.client import WorkerClient
 from p2pworker.shm import KVRegion
 
@@ -50,9 +42,6 @@ class Agent:
         self.region: KVRegion | None = None
         self.client: WorkerClient | None = None
         self.done: dict[int, dict] = {}
-        self.raw = None  # (nixl agent, registration) for the raw NIXL baseline
-        self._serving = threading.Event()
-        self._server: threading.Thread | None = None
         self.decoys: list[str] = []
 
     def start(self, name: str, blocks: int, block_bytes: int, host: str, port: int, seed: int,
@@ -114,13 +103,6 @@ class Agent:
             h.update(arr[r].tobytes())
         return {"sha256": h.hexdigest()}
 
-    def _op_raw_read(self, req: dict) -> dict:
-        return self.raw_read(bytes.fromhex(req["metadata"]), req["base"], req["rows"], req["dst"], req["reps"])
-
-    def _op_raw_close(self, req: dict) -> dict:
-        self.raw_close()
-        return {}
-
     def _op_decoy(self, req: dict) -> dict:
         fd = os.open(req["path"], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -136,69 +118,12 @@ class Agent:
         "load": _op_job,
         "wait": _op_wait,
         "digest": _op_digest,
-        "raw_open": lambda self, req: self.raw_open(req.get("serve", False)),
-        "raw_read": _op_raw_read,
-        "raw_close": _op_raw_close,
         "status": lambda self, req: {"status": admin.query(self.client.ready.admin)},
         "decoy": _op_decoy,
         "stop": lambda self, req: {"exit_code": self.close()},
     }
 
-    def raw_open(self, serve: bool) -> dict:
-        from p2pworker.data.nixl_transport import import_nixl
-
-        nixl_agent, nixl_agent_config = import_nixl()
-        agent = nixl_agent(f"raw-{os.getpid()}-{time.monotonic_ns()}",
-                           nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        reg = agent.register_memory([(self.region.address, self.region.nbytes, 0, "")], "DRAM")
-        self.raw = (agent, reg)
-        if serve:
-            self._serving.set()
-
-            def progress() -> None:  # the best a passive target can do: progress every 0.1 ms
-                while self._serving.is_set():
-                    agent.get_new_notifs()
-                    time.sleep(0.0001)
-
-            self._server = threading.Thread(target=progress, daemon=True)
-            self._server.start()
-        return {"metadata": agent.get_agent_metadata().hex(), "base": self.region.address}
-
-    def raw_read(self, metadata: bytes, base: int, rows: int, dst: int, reps: int) -> dict:
-        agent = self.raw[0]
-        remote = agent.add_remote_agent(metadata)
-        remote = remote.decode() if isinstance(remote, bytes) else remote
-        bb = self.region.block_bytes
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.region.address + (dst + i) * bb, bb, 0)
-                                                          for i in range(rows)], "DRAM")
-        peer = agent.prep_xfer_dlist(remote, [(base + i * bb, bb, 0) for i in range(rows)], "DRAM")
-        idx = np.arange(rows, dtype=np.int32)
-        seconds = []
-        for _ in range(reps):
-            # Row writes: this agent process READs into its own region's rows dst.., which its worker also uses;
-            # the benchmark never runs a worker load into those rows at the same time, and each READ is complete
-            # (DONE) before this returns, so nothing lands later.  Benchmark only: no job covers these rows.
-            t0 = time.perf_counter()
-            raw_read(agent, local, idx, peer, idx)
-            seconds.append(time.perf_counter() - t0)
-        agent.release_dlist_handle(local)
-        agent.release_dlist_handle(peer)
-        agent.remove_remote_agent(remote)
-        return {"seconds": seconds}
-
-    def raw_close(self) -> None:
-        self._serving.clear()
-        if self._server is not None:
-            self._server.join(timeout=5)
-            self._server = None
-        if self.raw is not None:
-            agent, reg = self.raw
-            agent.deregister_memory(reg)
-            self.raw = None
-
     def close(self) -> int | None:
-        if self.raw is not None:
-            self.raw_close()
         code = self.client.close() if self.client is not None else None
         self.client = None
         if self.region is not None:

@@ -1,6 +1,6 @@
 """Run the fault suite and write its measured figures into the reliability table of docs/reliability.md.
 
-    python benchmarks/reliability_table.py [--print-only]
+    python scripts/reliability_table.py [--print-only]
 
 Runs ``pytest tests/fault`` in ``.venv`` and ``tests/fault/test_adapter_faults.py`` in ``.venv-vllm033``
 (if present) with ``P2PWORKER_FIGURES`` pointing at a scratch file; every test records what it measured
@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # scripts/ is one level down too
 BEGIN, END = "<!-- reliability-table:begin -->", "<!-- reliability-table:end -->"
 
 
@@ -41,7 +41,7 @@ def main() -> int:
             rows = [json.loads(line) for line in f if line.strip()]
     finally:
         os.unlink(path)
-    lines = [f"Measured by `python benchmarks/reliability_table.py` on {time.strftime('%Y-%m-%d')} "
+    lines = [f"Measured by `python scripts/reliability_table.py` on {time.strftime('%Y-%m-%d')} "
              f"(exit codes {codes}; 2-core VM):", "", "| promise | measured | bound |", "|---|---|---|"]
     lines += [f"| {r['promise']} | {r['measured'].replace('|', '/')} | {r['bound']} |" for r in rows]
     table = "\n".join(lines)
