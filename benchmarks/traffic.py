@@ -1,5 +1,6 @@
 """Multi-turn chat traffic on real `vllm serve` engines: TTFT percentiles, inter-token latency, throughput, where the
-prompt tokens came from and the engines' CPU, per arm and request rate, and each arm's goodput at a TTFT target.
+prompt tokens came from and the engines' CPU, per arm and request rate; the rate each arm sustains within a TTFT
+target, and its goodput there.
 
     .venv-vllmcpu034/bin/python benchmarks/traffic.py --venv .venv-vllmcpu034 [--arms ours,intree,none]
         [--rates 1,2,4] [--conversations 16] [--turns 4] [--think-s 1] [--cpu-mib 64] [--shape p2p|pd]
@@ -26,7 +27,9 @@ other engine recomputes what its own caches do not hold).  Per rate, around the 
 device + host, recomputed = the rest), our tier's load outcomes, and the CPU time of each engine's processes (our
 workers apart).  After the run, every k-th turn's answer is asked again of the engine that served it with a
 ``cache_salt`` (a plain engine: no cache answers it) and must be the same.  The TTFT target is ``--target-factor`` ×
-the none arm's p90 TTFT at the lowest rate; an arm's goodput is the highest rate whose p90 stays under it.
+the none arm's p90 TTFT at the lowest rate.  An arm *sustains* the highest swept rate whose p90 stays under it (and
+every lower one's too); its *goodput* at a rate is the requests per second whose own TTFT met the target (the
+DistServe definition, as `vllm bench serve --goodput ttft:MS` and inference-perf's ``request_goodput`` count it).
 
 Exit status 1 when a request failed, an answer differed, or a stop of ours or none was not clean (a SIGKILL, a
 process or file left, an ERROR or Traceback line in an engine's log).  vLLM's in-tree tier never lets its engines
@@ -52,8 +55,8 @@ sys.path.insert(0, ROOT)
 from benchmarks import engines  # noqa: E402
 from p2pworker.bench import results  # noqa: E402
 from benchmarks.traffic_load import Endpoint, Fleet, run_rate  # noqa: E402
-from benchmarks.traffic_plan import (Arm, Goodput, RatePoint, Shape, Span, Workload, goodput,  # noqa: E402
-                                     ttft_target_ms, verdict)
+from benchmarks.traffic_plan import (Arm, RatePoint, Shape, Span, Sustained, Workload, request_goodput,  # noqa: E402
+                                     sustained, ttft_target_ms, verdict)
 from tests.helpers.ports import free_ports  # noqa: E402
 
 PERCENTILES = ("p50", "p90", "p99")
@@ -213,26 +216,39 @@ def points(report: dict, arm: str) -> list[RatePoint]:
 
 
 def judge(report: dict, factor: float) -> dict:
+    """The TTFT target, then per arm the highest rate it sustains within it and, per rate, its goodput (requests
+    per second that met the target, as `vllm bench serve --goodput` and inference-perf count it)."""
     pts = {arm: points(report, arm) for arm in report["arms"]}
     target = ttft_target_ms(pts.get(Arm.NONE.value, []), factor)
     if target is None:
         return {"ttft_target_ms": None, "why": "no none arm with a figure at the lowest rate"}
-    gps: dict[str, Goodput] = {arm: goodput(p, target) for arm, p in pts.items()}
+    rates: dict[str, Sustained] = {arm: sustained(p, target) for arm, p in pts.items()}
+    good = {arm: {rate: request_goodput(x["client"].get("ttft_ms_sorted", []), target, x["client"]["wall_s"])
+                  for rate, x in r["rates"].items() if "wall_s" in x["client"]}
+            for arm, r in report["arms"].items()}
     return {"ttft_target_ms": target, "target_rule": f"{factor} x the none arm's p90 TTFT at its lowest rate",
-            "goodput": {arm: g.to_json() for arm, g in gps.items()}, **verdict(gps, pts)}
+            "sustained": {arm: g.to_json() for arm, g in rates.items()}, "request_goodput_rps": good,
+            **verdict(rates, pts)}
 
 
 def table(report: dict) -> str:
-    head = ["arm", "req/s", "done/s", "TTFT p50", "p90", "p99", "ITL p50", "p99", "tok/s", "pulled", "local", "recomp",
-            "eng CPU s", "worker CPU s", "failed"]
+    """One row per arm and offered rate, in the terms of llm-d's and inference-perf's reports (offered and achieved
+    rate, OK/fail, TTFT and ITL percentiles, request latency, goodput at the TTFT target)."""
+    good = report.get("judgement", {}).get("request_goodput_rps", {})
+    head = ["arm", "offered/s", "achieved/s", "OK/fail", "TTFT p50", "p90", "p99", "ITL p50", "p99", "latency p50",
+            "p90", "out tok/s", "goodput/s", "pulled", "local", "recomp", "eng CPU s", "worker CPU s"]
     rows = [head]
     for arm, r in report["arms"].items():
         for rate, x in r["rates"].items():
             c, t, cpu = x["client"], x["tokens"], x["cpu"]
-            rows.append([arm, rate, str(c["requests_per_s"]), *(str(c["ttft_ms"][p]) for p in PERCENTILES),
-                         str(c["itl_ms"]["p50"]), str(c["itl_ms"]["p99"]), str(c["output_tokens_per_s"]),
+            lat = c.get("latency_ms", {})
+            g = good.get(arm, {}).get(rate)
+            rows.append([arm, rate, str(c["requests_per_s"]), f"{c['requests'] - c['failed']}/{c['failed']}",
+                         *(str(c["ttft_ms"][p]) for p in PERCENTILES), str(c["itl_ms"]["p50"]),
+                         str(c["itl_ms"]["p99"]), str(lat.get("p50", "-")), str(lat.get("p90", "-")),
+                         str(c["output_tokens_per_s"]), "-" if g is None else str(g),
                          f"{t['pulled_share']:.0%}", f"{t['local_share']:.0%}", f"{t['recomputed_share']:.0%}",
-                         str(cpu["engines_s"]), str(cpu["workers_s"]), str(c["failed"])])
+                         str(cpu["engines_s"]), str(cpu["workers_s"])])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(wd) for c, wd in zip(r, widths)) for r in rows)
 

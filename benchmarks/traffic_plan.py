@@ -200,18 +200,31 @@ class Shares:
 
 
 def summarize(records: list[Record], wall_s: float) -> dict:
-    """A run's client-side figures: TTFT and inter-token latency percentiles (ms), output tokens per second, failed
-    requests."""
+    """A run's client-side figures: TTFT, inter-token latency and request latency percentiles (ms), output tokens
+    per second, failed requests; and every answered request's TTFT, sorted, for the goodput at a target known only
+    once the no-sharing arm ran (:func:`request_goodput`)."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s for r in ok]
     gaps = [g for r in ok for g in r.gaps_s]
+    latency = [r.done_s - r.sent_s for r in ok if r.done_s is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     return {"requests": len(records), "failed": len(records) - len(ok),
             "ttft_ms": {f"p{q}": _ms(percentile(ttft, q)) for q in (50, 90, 99)},
             "itl_ms": {f"p{q}": _ms(percentile(gaps, q)) for q in (50, 99)},
+            "latency_ms": {f"p{q}": _ms(percentile(latency, q)) for q in (50, 90)},
+            "ttft_ms_sorted": sorted(_ms(t) for t in ttft),
             "output_tokens": out_tokens, "wall_s": round(wall_s, 2),
             "output_tokens_per_s": round(out_tokens / wall_s, 2) if wall_s > 0 else None,
             "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else None}
+
+
+def request_goodput(ttfts_ms: list[float], target_ms: float, wall_s: float) -> float | None:
+    """Goodput as `vllm bench serve --goodput ttft:<ms>` and inference-perf's ``request_goodput`` count it (the
+    DistServe definition): answered requests per second whose own TTFT met the target.  A failed request never
+    counts."""
+    if wall_s <= 0:
+        return None
+    return round(sum(t <= target_ms for t in ttfts_ms) / wall_s, 3)
 
 
 def answer_problem(got: Record, want_tokens: list[str], want_logprobs: list[float | None], tol: float) -> str | None:
@@ -224,7 +237,7 @@ def answer_problem(got: Record, want_tokens: list[str], want_logprobs: list[floa
     return None if worst <= tol else f"{got.key}: logprobs differ from a plain engine's by {worst:.2e}"
 
 
-# ---------------------------------------------------------------------------------------------------- goodput
+# ------------------------------------------------------------------------------------------ the rate sustained
 @dataclass(frozen=True)
 class RatePoint:
     rate_rps: float
@@ -240,7 +253,10 @@ def ttft_target_ms(none_points: list[RatePoint], factor: float) -> float | None:
 
 
 @dataclass(frozen=True)
-class Goodput:
+class Sustained:
+    """The highest offered rate an arm sustains with its p90 TTFT within the target (llm-d's reports: the rate a
+    setup "sustains"; not a goodput, which counts requests: :func:`request_goodput`)."""
+
     highest_rate_rps: float | None  # the highest swept rate whose p90 stays under the target (and all below too)
     interpolated_rps: float | None  # where p90 crosses the target, linear between that rate and the next one
 
@@ -248,7 +264,7 @@ class Goodput:
         return {"highest_rate_rps": self.highest_rate_rps, "interpolated_rps": self.interpolated_rps}
 
 
-def goodput(points: list[RatePoint], target_ms: float) -> Goodput:
+def sustained(points: list[RatePoint], target_ms: float) -> Sustained:
     """The highest rate at which p90 TTFT stays under ``target_ms``, counting up from the lowest swept rate and
     stopping at the first rate over it (a later dip under the target does not count); interpolated linearly between
     the last rate within and the first over it, or that rate itself when every swept rate was within."""
@@ -257,24 +273,24 @@ def goodput(points: list[RatePoint], target_ms: float) -> Goodput:
     for p in pts:
         if p.p90_ms is None or p.p90_ms > target_ms:
             if best is None or p.p90_ms is None:
-                return Goodput(best.rate_rps if best else None, best.rate_rps if best else None)
+                return Sustained(best.rate_rps if best else None, best.rate_rps if best else None)
             frac = (target_ms - best.p90_ms) / (p.p90_ms - best.p90_ms)
-            return Goodput(best.rate_rps, round(best.rate_rps + frac * (p.rate_rps - best.rate_rps), 3))
+            return Sustained(best.rate_rps, round(best.rate_rps + frac * (p.rate_rps - best.rate_rps), 3))
         best = p
-    return Goodput(best.rate_rps if best else None, best.rate_rps if best else None)
+    return Sustained(best.rate_rps if best else None, best.rate_rps if best else None)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 2)
 
 
-def verdict(goodputs: dict[str, Goodput], points: dict[str, list[RatePoint]]) -> dict:
-    """The issue's goals, each as measured: goodput ratios (interpolated) and whether ours' p99 TTFT stayed at or
-    under no sharing's at every rate both ran."""
-    ours, none, intree = (goodputs.get(a.value) for a in (Arm.OURS, Arm.NONE, Arm.INTREE))
-    out: dict = {"goodput_ours_over_none": ratio(ours and ours.interpolated_rps, none and none.interpolated_rps),
-                 "goodput_ours_over_intree": ratio(ours and ours.interpolated_rps,
-                                                   intree and intree.interpolated_rps)}
+def verdict(rates: dict[str, Sustained], points: dict[str, list[RatePoint]]) -> dict:
+    """The comparisons a reader looks for, each as measured: the ratios of the rates sustained (interpolated) and
+    whether ours' p99 TTFT stayed at or under no sharing's at every rate both ran."""
+    ours, none, intree = (rates.get(a.value) for a in (Arm.OURS, Arm.NONE, Arm.INTREE))
+    out: dict = {"sustained_ours_over_none": ratio(ours and ours.interpolated_rps, none and none.interpolated_rps),
+                 "sustained_ours_over_intree": ratio(ours and ours.interpolated_rps,
+                                                     intree and intree.interpolated_rps)}
     by_rate = {a: {p.rate_rps: p.p99_ms for p in pts} for a, pts in points.items()}
     shared = sorted(set(by_rate.get(Arm.OURS.value, {})) & set(by_rate.get(Arm.NONE.value, {})))
     worse = [r for r in shared if (by_rate["ours"][r] is None or

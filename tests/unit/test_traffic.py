@@ -1,6 +1,7 @@
 """benchmarks/traffic.py without engines: the seeded workload (same seed, same prompts; each turn extends the last;
 each turn on another engine than the last, naming it as the source), arrivals, percentiles, a run's summary, the
-answer check, the TTFT target and goodput, the goals' verdict, and how a turn's request is shaped per arm."""
+answer check, the TTFT target, the rate sustained and the goodput, the verdict, and how a turn's request is shaped
+per arm."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import statistics
 import pytest
 
 from benchmarks.traffic_load import SOURCE_HEADER, Endpoint, Fleet, Snapshot, snapshot_delta, tier_counters
-from benchmarks.traffic_plan import (Arm, Goodput, RatePoint, Record, Shares, Span, Workload, answer_problem,
-                                     arrivals, build, goodput, percentile, route, summarize, ttft_target_ms,
-                                     verdict)
+from benchmarks.traffic_plan import (Arm, RatePoint, Record, Shares, Span, Sustained, Workload, answer_problem,
+                                     arrivals, build, percentile, request_goodput, route, summarize, sustained,
+                                     ttft_target_ms, verdict)
 from p2pworker.calibrate import CachedTokens
 
 pytestmark = pytest.mark.timeout(30)
@@ -94,6 +95,7 @@ def test_summary_counts_failures_and_leaves_them_out_of_the_percentiles():
     assert s["ttft_ms"]["p50"] == 20.0 and s["ttft_ms"]["p99"] == pytest.approx(29.8)
     assert s["itl_ms"]["p50"] == 2.0
     assert s["output_tokens"] == 8 and s["output_tokens_per_s"] == 4.0 and s["requests_per_s"] == 1.0
+    assert s["ttft_ms_sorted"] == [10.0, 30.0] and s["latency_ms"]["p50"] == 1000.0  # failed: in neither
 
 
 def test_answer_problem():
@@ -117,21 +119,26 @@ def test_the_target_comes_from_no_sharing_at_its_lowest_rate():
 
 
 @pytest.mark.parametrize("p90s, want", [
-    ((40, 60, 79), Goodput(4, 4)),  # within at every swept rate: the highest rate
-    ((40, 60, 100), Goodput(2, 3.0)),  # crosses 80 halfway from 2 to 4 req/s
-    ((40, 90, 70), Goodput(1, 1.8)),  # a later dip under the target does not count
-    ((90, 60, 70), Goodput(None, None)),  # over it at the lowest rate
-    ((40, None, 50), Goodput(1, 1)),  # a rate that failed requests is never within
+    ((40, 60, 79), Sustained(4, 4)),  # within at every swept rate: the highest rate
+    ((40, 60, 100), Sustained(2, 3.0)),  # crosses 80 halfway from 2 to 4 req/s
+    ((40, 90, 70), Sustained(1, 1.8)),  # a later dip under the target does not count
+    ((90, 60, 70), Sustained(None, None)),  # over it at the lowest rate
+    ((40, None, 50), Sustained(1, 1)),  # a rate that failed requests is never within
 ])
-def test_goodput(p90s, want):
-    assert goodput([RatePoint(r, p) for r, p in zip((1, 2, 4), p90s)], 80.0) == want
+def test_the_rate_sustained(p90s, want):
+    assert sustained([RatePoint(r, p) for r, p in zip((1, 2, 4), p90s)], 80.0) == want
+
+
+def test_goodput_counts_the_requests_that_met_the_target_per_second():
+    assert request_goodput([10.0, 50.0, 80.0, 80.1, 200.0], 80.0, wall_s=2.0) == 1.5  # 3 within, over 2 s
+    assert request_goodput([], 80.0, wall_s=2.0) == 0.0 and request_goodput([1.0], 80.0, wall_s=0) is None
 
 
 def test_verdict_reads_the_goals():
-    gps = {"ours": Goodput(4, 3.0), "none": Goodput(2, 2.0), "intree": Goodput(1, 1.5)}
+    gps = {"ours": Sustained(4, 3.0), "none": Sustained(2, 2.0), "intree": Sustained(1, 1.5)}
     pts = {"ours": [RatePoint(1, 10, 20), RatePoint(2, 10, 50)], "none": [RatePoint(1, 10, 30), RatePoint(2, 10, 40)]}
     v = verdict(gps, pts)
-    assert v["goodput_ours_over_none"] == 1.5 and v["goodput_ours_over_intree"] == 2.0
+    assert v["sustained_ours_over_none"] == 1.5 and v["sustained_ours_over_intree"] == 2.0
     assert v["p99_ours_above_none_at_rates"] == [2]
 
 
@@ -207,9 +214,11 @@ def _report(p90s: dict[str, list[float]], failed: dict[str, int] | None = None) 
         rates = {}
         for rate, p90 in zip((1.0, 2.0, 4.0), vals):
             f = (failed or {}).get(f"{arm}@{rate}", 0)
-            rates[str(rate)] = {"client": {"failed": f, "requests_per_s": rate, "output_tokens_per_s": 10.0,
+            rates[str(rate)] = {"client": {"requests": 10, "failed": f, "requests_per_s": rate,
+                                           "output_tokens_per_s": 10.0, "wall_s": 2.0,
                                            "ttft_ms": {"p50": p90 / 2, "p90": p90, "p99": p90 * 1.5},
-                                           "itl_ms": {"p50": 1.0, "p99": 2.0}},
+                                           "ttft_ms_sorted": [p90 / 2, p90], "itl_ms": {"p50": 1.0, "p99": 2.0},
+                                           "latency_ms": {"p50": 100.0, "p90": 200.0}},
                                 "tokens": Shares(100, 20, 30).to_json(),
                                 "cpu": {"engines_s": 1.0, "workers_s": 0.1}}
         arms[arm] = {"rates": rates}
@@ -223,13 +232,16 @@ def test_the_run_is_judged_from_its_rates():
                      failed={"ours@4.0": 1})
     j = judge(report, 2.0)
     assert j["ttft_target_ms"] == 80.0
-    assert j["goodput"]["none"] == {"highest_rate_rps": 1.0, "interpolated_rps": 1.8}
-    assert j["goodput"]["ours"] == {"highest_rate_rps": 2.0, "interpolated_rps": 2.0}  # 4 req/s failed a request
-    assert j["goodput"]["intree"] == {"highest_rate_rps": None, "interpolated_rps": None}
-    assert j["goodput_ours_over_none"] == 1.11 and j["goodput_ours_over_intree"] is None
+    assert j["sustained"]["none"] == {"highest_rate_rps": 1.0, "interpolated_rps": 1.8}
+    assert j["sustained"]["ours"] == {"highest_rate_rps": 2.0, "interpolated_rps": 2.0}  # 4 req/s failed a request
+    assert j["sustained"]["intree"] == {"highest_rate_rps": None, "interpolated_rps": None}
+    assert j["sustained_ours_over_none"] == 1.11 and j["sustained_ours_over_intree"] is None
+    # goodput per rate: of each rate's two requests (p90/2, p90 ms over 2 s), those within 80 ms
+    assert j["request_goodput_rps"]["ours"] == {"1.0": 1.0, "2.0": 1.0, "4.0": 0.5}
     assert j["p99_ours_above_none_at_rates"] == [4.0]  # a rate with a failed request never counts as within
+    report["judgement"] = j
     lines = table(report).splitlines()
-    assert len(lines) == 1 + 9 and "TTFT p50" in lines[0]
+    assert len(lines) == 1 + 9 and "TTFT p50" in lines[0] and "goodput/s" in lines[0]
     assert judge(_report({"ours": [1, 2, 3]}), 2.0)["ttft_target_ms"] is None
 
 

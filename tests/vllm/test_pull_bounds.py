@@ -142,3 +142,44 @@ def test_a_dead_source_evicts_the_pullers_cache_once_and_then_nothing(small_one_
           f"the next 5: {max(times) * 1000:.1f} ms at most, nothing evicted")
     with reader.lock:
         reader.mgr.on_request_finished(first)
+
+
+LOOKUP_TIMEOUT_S = 2.0  # both workers' [session] lookup_timeout_s here (5 s by default)
+
+
+@pytest.mark.parametrize("pull_path", ["one_trip", "ask_first"])
+def test_a_source_that_takes_the_link_but_never_answers_is_recomputed_within_lookup_timeout(free_port, pull_path):
+    """The source's worker is up and its links too, but its engine never answers what the worker asks it (vLLM's
+    scheduler wedged, or a tier-poll thread that stopped): the puller's request is answered MISS (vLLM recomputes)
+    within lookup_timeout_s plus a tick, on the one-trip path (the source ends the asking round) and the two-step
+    path (the puller's lookup times out) alike, instead of waiting out a load's 30 s lease."""
+    settings = {"session": {"lookup_timeout_s": LOOKUP_TIMEOUT_S}}
+    # no tier-poll thread and no steps after the store: the source's tier never reads its worker's question
+    owner = Engine("mute", free_port(), num_chunks=16, engine_extra={"tier_poll_interval_s": 0},
+                   worker_settings=settings)
+    reader = Engine("mutrd", free_port(), num_chunks=16, pull_path=pull_path, worker_settings=settings)
+    try:
+        ids = list(range(500, 504))
+        owner.store("own", ids)
+        run_until([owner], owner.idle)
+        ctx = pull(reader, owner.tier.worker_address, "mute-0", "mute-0")
+        t0 = time.monotonic()
+        seen = []
+        while time.monotonic() - t0 < LOOKUP_TIMEOUT_S + 10:  # the puller alone steps, as its scheduler would
+            seen.append(reader.lookup(ctx, ids))
+            if seen[-1] == [LookupResult.MISS] * 4:
+                break
+            reader.step([ctx.req_id] if len(seen) == 1 else [])
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        assert seen[-1] == [LookupResult.MISS] * 4, seen[-3:]
+        assert took <= LOOKUP_TIMEOUT_S + 1.0, f"a source that never answers held the request {took:.2f} s"
+        c = reader.tier.counters()
+        assert c["loads_ok"] == 0 and c["pull_keys_landed"] == 0, c
+        print(f"{pull_path}: answered MISS after {took:.2f} s (lookup_timeout_s {LOOKUP_TIMEOUT_S:g})")
+        with reader.lock:
+            reader.mgr.on_request_finished(ctx)
+        run_until([reader], reader.idle, timeout_s=10)
+    finally:
+        for e in (reader, owner):
+            e.close()
