@@ -84,7 +84,6 @@ FOREIGN_PRIVATES = {
     "cons.mgr._jobs": "vLLM's tiering manager: its open jobs (idle when empty)",
     "prod.mgr._jobs": "vLLM's tiering manager: its open jobs (idle when empty)",
     "mgr._metrics": "vLLM's tiering manager: its metrics object",
-    "eng.mgr._tier_poll_thread": "vLLM 0.33's tier-poll thread",
 }
 
 
