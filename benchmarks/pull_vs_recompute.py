@@ -469,8 +469,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--venv", default=sys.prefix, help="the vLLM venv the engines run in")
     ap.add_argument("--health-timeout-s", type=float, default=300.0)
     ap.add_argument("--stop-timeout-s", type=float, default=40.0)
+    ap.add_argument("--scenario", default=None, help="names the results file (default: two_hosts with --hosts two, "
+                    "else none)")
     ap.add_argument("--json", default=None, help="the results file (default: benchmarks/results/"
-                    "pull_vs_recompute.json, -two_hosts with --hosts two)")
+                    "pull_vs_recompute[-SCENARIO].json)")
     ap.add_argument("--plot", default=None, help="the TTFT plot (default: the results file with .png; '' for none)")
     ap.add_argument("--replot", default=None, help="draw --plot from this results file; start nothing")
     ap.add_argument("--hops", default=None, metavar="DIR", help="trace both workers (P2PWORKER_HOOK) and the engine "
@@ -482,7 +484,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.replot:
         a.plot = a.plot if a.plot is not None else os.path.splitext(a.replot)[0] + ".png"
         return a
-    a.json = a.json or results.default_path(BENCHMARK, "two_hosts" if a.hosts == Hosts.TWO.value else "")
+    if a.scenario is None:
+        a.scenario = "two_hosts" if a.hosts == Hosts.TWO.value else ""
+    a.json = a.json or results.default_path(BENCHMARK, a.scenario)
     a.plot = a.plot if a.plot is not None else os.path.splitext(a.json)[0] + ".png"
     if a.hops:
         a.ttft_log = os.path.join(a.hops, "ttft.txt")
@@ -573,7 +577,7 @@ def main(argv=None) -> int:
         why = plot(doc["result"]["summary"], a.plot, "TTFT: pull vs recompute") if a.plot else None
         print(why or (f"plot: {a.plot}" if a.plot else ""))
         return 1 if why else 0
-    run = results.Run(BENCHMARK, "two_hosts" if a.hosts == Hosts.TWO.value else "",
+    run = results.Run(BENCHMARK, a.scenario,
                       python=os.path.join(a.venv, "bin", "python"))
     if a.hops:
         _trace_into(a.hops)

@@ -87,7 +87,9 @@ def machine() -> dict:
 
 def command(argv: list[str] | None = None) -> str:
     """How this run was started, paths relative to the repository where they are inside it."""
-    argv = [sys.executable, *(sys.argv if argv is None else argv)]
+    argv = list(sys.argv if argv is None else argv)
+    if argv and argv[0].endswith(".py") or not argv:
+        argv = [sys.executable, *argv]  # a script: the interpreter says which venv ran it (a console script does)
     return shlex.join(os.path.relpath(a, ROOT) if os.path.isabs(a) and a.startswith(ROOT + os.sep) else a
                       for a in argv)
 
