@@ -23,6 +23,7 @@
 #                        values on both, and the same P2PWORKER_SECRET
 #   PREFILL_P2P [5710], DECODE_P2P [5810]: the workers' control ports (base; + DP index)
 #   CPU_BYTES [268435456]  size of each engine's CPU KV tier (/dev/shm)
+#   PREFILL_CPU_BYTES, DECODE_CPU_BYTES [CPU_BYTES]  one engine's CPU KV tier, when the two differ
 #   PREFILL_WORKER_METRICS, DECODE_WORKER_METRICS [0]: >0: that engine's p2pworker serves Prometheus metrics on
 #                        127.0.0.1:<port>/metrics (given inline as the tier's worker_settings, over configs/<role>.toml)
 #   SAME_HOST [1]        0: the workers never copy out of a same-host peer's region file ([data] same_host = false;
@@ -44,6 +45,8 @@ ROUTER_PORT=${ROUTER_PORT:-8000}
 PREFILL_P2P=${PREFILL_P2P:-5710}
 DECODE_P2P=${DECODE_P2P:-5810}
 CPU_BYTES=${CPU_BYTES:-268435456}
+PREFILL_CPU_BYTES=${PREFILL_CPU_BYTES:-$CPU_BYTES}
+DECODE_CPU_BYTES=${DECODE_CPU_BYTES:-$CPU_BYTES}
 PREFILL_HOST=${PREFILL_HOST:-127.0.0.1}
 DECODE_HOST=${DECODE_HOST:-127.0.0.1}
 ROUTER_HOST=${ROUTER_HOST:-127.0.0.1}
@@ -91,9 +94,9 @@ EOF
 start_engine() {  # role http_port p2p_port extra_env worker_metrics_port host
   local role=$1 http=$2 p2p=$3 extra_env=$4 metrics=$5 host=$6 engine_id cfg rpc
   engine_id="p2pw-$role-$$-$RANDOM"  # $RANDOM: pids repeat across PID namespaces (emulated hosts)
-  local prompt_only=1
-  [ "$role" = decode ] && prompt_only=$DECODE_OFFLOAD_PROMPT_ONLY
-  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$CPU_BYTES" "$ROOT" "$metrics" "$host" "$SAME_HOST" \
+  local prompt_only=1 cpu_bytes=$PREFILL_CPU_BYTES
+  [ "$role" = decode ] && prompt_only=$DECODE_OFFLOAD_PROMPT_ONLY && cpu_bytes=$DECODE_CPU_BYTES
+  cfg=$(kv_config "$role" "$p2p" "$engine_id" "$PLATFORM" "$cpu_bytes" "$ROOT" "$metrics" "$host" "$SAME_HOST" \
     "$prompt_only")
   echo "$cfg" > "$RUN_DIR/$role.kv.json"
   echo "$engine_id" > "$RUN_DIR/$role.engine_id"

@@ -66,6 +66,7 @@ from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind, OpenJob, load_stat
 from vllm_adapter.lookups import AskedLookups, PeerLookups
 from vllm_adapter.metrics import M_DEATHS, M_IN_FLIGHT, M_LOADS, M_RESTARTS, M_STORES, TIER_METRICS, TierMetrics
 from vllm_adapter.outbox import OPEN_AHEAD_MAX, OPEN_AHEAD_S, OpenAhead, Outbox
+from vllm_adapter.siblings import Siblings
 from vllm_adapter.roles import PDRole, RoleKind, parse_role, role_of
 from vllm_adapter.supervisor import (
     DRAIN_LOG_S,
@@ -144,6 +145,7 @@ class P2PWorkerTier(SecondaryTierManager):
                                     one_trip=_one_trip(s.pull_path, offloading_spec, self.worker_name))
         self.peer_lookups = PeerLookups(self.jobs, self.outbox)
         self.finished = FinishedReplay(self.worker_name, self.supervisor, self.outbox)
+        self.siblings = Siblings()  # live consumer requests per peer and id: the last one's end gives up the id
         self.opened_ahead = OpenAhead(self.outbox)
         self._scheduler_thread = threading.get_ident()  # vLLM builds tiers on the scheduler thread
         self._off_thread_poll_at = -1e9  # last get_finished_jobs from vLLM's tier-poll thread (0.33)
@@ -269,6 +271,7 @@ class P2PWorkerTier(SecondaryTierManager):
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         role = parse_role(req_context.kv_transfer_params)
         req_context.set_state(role)
+        self.siblings.started(role)
         if role.kind.loads and self.instruments.on_open_ahead(role.address) and self.supervisor.serving:
             self.opened_ahead.open(role.address)
         if role.kind.produces:  # every block of the request, pulled or cached ones too, is cascaded to us
@@ -312,9 +315,9 @@ class P2PWorkerTier(SecondaryTierManager):
         role = role_of(req_context)
         if role.kind.produces:
             self.finished.finished(role.park_id)
-        if role.kind.asks:
-            self.lookups.forget(role.kv_request_id)
-        if role.kind.loads:
+        if role.kind.loads and self.siblings.ended(role):  # the last live request of this id at this peer
+            if role.kind.asks:
+                self.lookups.forget(role.kv_request_id)
             # Loaded all, some or none (it held a shared prefix; it recomputed; it was aborted): the peer releases
             # what it parked for us and we did not fetch now, not park_timeout_s after its own request's end.
             self.outbox.send(api.ConsumerDone(role.address, role.kv_request_id))

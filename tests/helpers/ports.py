@@ -50,3 +50,28 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free ports (the control ports of an engine's DP ranks: base + rank)."""
+    high = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(_FLOOR, high - n)
+        run = range(base, base + n)
+        if any(p in _handed_out for p in run):
+            continue
+        socks = []
+        try:
+            for p in run:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        _handed_out.update(run)
+        return base
+    raise RuntimeError(f"no {n} consecutive free loopback ports in [{_FLOOR}, {high})")

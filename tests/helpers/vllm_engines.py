@@ -55,9 +55,10 @@ class Engine:
     """One TieringOffloadingManager whose only secondary tier is P2PWorkerTier (with its worker)."""
 
     def __init__(self, name: str, port: int, num_chunks: int = 16, row: int = ROW, engine_extra: dict | None = None,
-                 **tier_kw):
+                 dp: tuple[int, int] = (0, 1), **tier_kw):
         """``engine_extra``: more kv_connector_extra_config keys (``{"tier_poll_interval_s": 0}``: vLLM 0.33 without
-        its tier-poll thread, so the tier is called only from the scheduler's steps, as under 0.32)."""
+        its tier-poll thread, so the tier is called only from the scheduler's steps, as under 0.32).  ``dp``: (this
+        rank's data-parallel index, the data-parallel size), as vLLM hands each DP rank's engine core its own."""
         tier = {"type": "P2PWorkerTier", "module_path": "vllm_adapter.tier", "host": "127.0.0.1", "port": port,
                 "locality": "REMOTE", **tier_kw}
         extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * row,
@@ -65,11 +66,11 @@ class Engine:
         config = OffloadingConfig(
             groups=(_mk(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
             worker_kv_bytes_per_block=row, enable_kv_cache_events=False, extra_config=extra,
-            engine_id=f"p2pwt{name}{os.getpid()}",
+            engine_id=f"p2pwt{name}{os.getpid()}" + (f"_dp{dp[0]}" if dp[1] > 1 else ""),
             model=_mk(OffloadingModelConfig, name="tiny-test", dtype="float16", max_model_len=256),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                              data_parallel_index=0, data_parallel_size=1,
+                                              data_parallel_index=dp[0], data_parallel_size=dp[1],
                                               data_parallel_rank_local=None, is_parallelism_agnostic=True),
         )
         self.spec = OffloadingSpecFactory.create_spec(config)

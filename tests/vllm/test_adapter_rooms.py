@@ -24,6 +24,7 @@ from vllm_adapter.lookups import AskedLookups, PeerLookups
 from vllm_adapter.metrics import Counts
 from vllm_adapter.outbox import Outbox
 from vllm_adapter.roles import PDRole, RoleKind, parse_role, role_of
+from vllm_adapter.siblings import Siblings
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -932,3 +933,16 @@ def test_requests_finished_longer_ago_than_recent_finished_s_are_not_replayed():
     sup.client = FakeClient(ready=None)
     replay.replay()
     assert sup.client.sent == [api.RequestFinished("new")]
+
+
+def test_siblings_give_up_an_id_at_the_last_live_requests_end():
+    s = Siblings()
+    a = parse_role({"remote_kv_source": {"kv_request_id": "kv-1", "remote_host": "h", "remote_port": 1}})
+    other_peer = parse_role({"remote_kv_source": {"kv_request_id": "kv-1", "remote_host": "g", "remote_port": 1}})
+    producer = parse_role({"remote_decoder": {"kv_request_id": "kv-1"}})
+    for role in (a, a, other_peer, producer):
+        s.started(role)
+    assert len(s) == 3  # a producer gives up nothing at its peer
+    assert s.ended(a) is False and s.ended(a) is True  # the second of two is the last
+    assert s.ended(other_peer) is True and len(s) == 0
+    assert s.ended(a) is True  # an end this tier never saw start (a restart between): given up at once

@@ -183,3 +183,31 @@ def test_a_source_that_takes_the_link_but_never_answers_is_recomputed_within_loo
     finally:
         for e in (reader, owner):
             e.close()
+
+
+def test_a_siblings_end_does_not_release_what_the_other_request_of_its_id_loads(free_port):
+    """Two live decode requests share a kv_request_id (sampling with n > 1, or an orchestrator that reuses ids).
+    The first ends before it loads: the prefill keeps what it parked for the id (no ConsumerDone yet), and the
+    second still loads it all; the ConsumerDone goes when the last one ends."""
+    prefill, decode = Engine("sbpf", free_port(), num_chunks=16), Engine("sbpd", free_port(), num_chunks=16)
+    try:
+        ids = list(range(600, 604))
+        prefill.store("p-sib", ids, {"remote_decoder": {"kv_request_id": "kv-sib"}})
+        host, port = prefill.tier.worker_address.split(":")
+        params = {"remote_prefiller": {"kv_request_id": "kv-sib", "remote_host": host, "remote_port": int(port)}}
+        first, second = (ReqContext(req_id=r, kv_transfer_params=params) for r in ("d-sib-1", "d-sib-2"))
+        with decode.lock:
+            decode.mgr.on_new_request(first)
+            decode.mgr.on_new_request(second)
+            decode.mgr.on_request_finished(first)  # ended (aborted) before it loaded
+        run_until([prefill, decode], lambda: decode.idle() and not decode.tier.outbox.pending, timeout_s=10)
+        seen = passes(decode, prefill, second, ids, 3)
+        assert LookupResult.HIT_PENDING in seen[0] and seen[-1] == [LookupResult.HIT] * 4, seen
+        c = decode.tier.counters()
+        assert c["loads_ok"] == 1 and c["loads_failed"] == 0, c
+        with decode.lock:
+            decode.mgr.on_request_finished(second)  # the last: the prefill now releases the id
+        run_until([prefill, decode], prefill.idle, timeout_s=20)
+    finally:
+        for e in (decode, prefill):
+            e.close()
