@@ -27,6 +27,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -67,13 +68,15 @@ class Engine:
         self._end = ScheduleEndContext
         self.port = free_port()
         self.mgr = build("ours", role, self.port, ROW, capacity)
+        # vLLM 0.33+ guards its manager with a lock its tier-poll thread takes too; 0.32 has neither
+        self.lock = getattr(self.mgr, "lock", None) or threading.Lock()
         self.tier = self.mgr.secondary_tiers[0]
         self.timed = Timed(self.tier)
         self.view = np.asarray(self.tier._primary_kv_view)
         self.pid = self.tier.supervisor.client.proc.pid
 
     def step(self, new=()) -> None:
-        with self.mgr.lock:
+        with self.lock:
             self.mgr.on_schedule_end(self._end(new_req_ids=list(new), preempted_req_ids=[]))
 
     def close(self) -> None:
@@ -94,12 +97,12 @@ def request(prod: Engine, cons: Engine, tag: int, n: int) -> dict:
     cpu0 = _cpu_s(prod.pid) + _cpu_s(cons.pid)
     # producer: what prefill does (primary store, then the cascade parks the chunks in the tier)
     pctx = ReqContext(req_id=rid, kv_transfer_params={"remote_decoder": {"kv_request_id": rid}})
-    with prod.mgr.lock:
+    with prod.lock:
         prod.mgr.on_new_request(pctx)
         out = prod.mgr.prepare_store(keys, pctx)
     index = {k: i for i, k in enumerate(keys)}
     prod.view[np.asarray(out.store_spec.chunk_ids)] = data[[index[k] for k in out.keys_to_store]].view(prod.view.dtype)
-    with prod.mgr.lock:
+    with prod.lock:
         prod.mgr.complete_store(out.keys_to_store, pctx)
         prod.mgr.on_request_finished(pctx)
     prod.step([rid])
@@ -107,9 +110,9 @@ def request(prod: Engine, cons: Engine, tag: int, n: int) -> dict:
     ctx = ReqContext(req_id=f"d-{rid}", kv_transfer_params={"remote_prefiller": {
         "kv_request_id": rid, "remote_host": "127.0.0.1", "remote_port": prod.port}})
     t0 = time.perf_counter()
-    with cons.mgr.lock:
+    with cons.lock:
         cons.mgr.on_new_request(ctx)
-    with cons.mgr.lock:
+    with cons.lock:
         res = [cons.mgr.lookup(k, ctx) for k in keys]  # HIT_PENDING: promotions queued
     t_submit = time.perf_counter()
     cons.step([ctx.req_id])  # submit_load: one job of n keys
@@ -121,17 +124,17 @@ def request(prod: Engine, cons: Engine, tag: int, n: int) -> dict:
         cons.step()
         prod.step()
     load_s = time.perf_counter() - t_submit
-    with cons.mgr.lock:
+    with cons.lock:
         res = [cons.mgr.lookup(k, ctx) for k in keys]
     e2e = time.perf_counter() - t0
     ok = all(r is LookupResult.HIT for r in res)
     if ok:
-        with cons.mgr.lock:
+        with cons.lock:
             spec = cons.mgr.prepare_load(keys, ctx)
         ok = bool((cons.view[np.asarray(spec.chunk_ids)].view(np.int8) == data).all())
-        with cons.mgr.lock:
+        with cons.lock:
             cons.mgr.complete_load(keys, ctx)
-    with cons.mgr.lock:
+    with cons.lock:
         cons.mgr.on_request_finished(ctx)
     while prod.mgr._jobs or cons.mgr._jobs:  # the producer's store reports (after the consumer's release)
         prod.step()

@@ -271,9 +271,9 @@ class P2PWorkerTier(SecondaryTierManager):
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         role = parse_role(req_context.kv_transfer_params)
         req_context.set_state(role)
-        self.siblings.started(role)
         if role.kind.loads and self.instruments.on_open_ahead(role.address) and self.supervisor.serving:
             self.opened_ahead.open(role.address)
+        self.siblings.started(role, req_context.req_id)
         if role.kind.produces:  # every block of the request, pulled or cached ones too, is cascaded to us
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
@@ -315,7 +315,7 @@ class P2PWorkerTier(SecondaryTierManager):
         role = role_of(req_context)
         if role.kind.produces:
             self.finished.finished(role.park_id)
-        if role.kind.loads and self.siblings.ended(role):  # the last live request of this id at this peer
+        if role.kind.loads and self.siblings.ended(role, req_context.req_id):  # the last of this id at this peer
             if role.kind.asks:
                 self.lookups.forget(role.kv_request_id)
             # Loaded all, some or none (it held a shared prefix; it recomputed; it was aborted): the peer releases

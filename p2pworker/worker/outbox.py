@@ -35,7 +35,7 @@ class EventOutbox:
         self.reporter = reporter
         self.counters = counters
         self.clock = clock
-        self.owner = owner  # the worker: a test hook replaces its instruments after we exist
+        self.owner = owner  # the worker's core: a test hook replaces its instruments after we exist
         self.metrics = metrics
         self.pending: collections.deque = collections.deque()  # events the full event ring could not take
         self._failed_second = 0.0  # when the second of _log_failed's count started

@@ -69,7 +69,6 @@ class Tells(Protocol):
     def flush(self) -> None: ...
 
 
-
 class FailsQueued(Protocol):
     """The commands (commands.py), as the stop uses them: what was never run is failed once."""
 

@@ -23,12 +23,14 @@ CHUNK_BYTES = BLOCK * 2 * 2 * 4 * 32 * 4  # tokens x layers x (K, V) x heads x d
 PULLER_CHUNKS = 8
 N_WORDS = 1904  # 14 full blocks: more than the puller's CPU tier holds
 BOUND_S = 1.0  # over a plain recompute of the same prompt on the puller
+LOADS = "vllm:kv_offload_p2pworker_loads_total"  # the puller tier's load jobs, every outcome
 
 
 @pytest.fixture(scope="module")
 def uneven(tiny_model, tmp_path_factory):
     pair = PD(tiny_model, str(tmp_path_factory.mktemp("pd-uneven")))
-    pair.env.update({"PREFILL_CPU_BYTES": str(64 << 20), "DECODE_CPU_BYTES": str(PULLER_CHUNKS * CHUNK_BYTES)})
+    pair.env.update({"PREFILL_CPU_BYTES": str(64 << 20), "DECODE_CPU_BYTES": str(PULLER_CHUNKS * CHUNK_BYTES),
+                     "P2PWORKER_SECRET": "e2e-small-region"})  # roles started one at a time share a given secret
     with running(pair, starts=(("start", "prefill"), ("start", "decode"))):
         yield pair
 
@@ -49,13 +51,15 @@ def test_a_prompt_larger_than_the_pullers_cpu_tier_is_answered_as_a_plain_engine
                             cache_salt=f"plain-{uuid.uuid4().hex}")
     pd.complete("prefill", text)  # the source computes the prompt and keeps it in its CPU tier
     time.sleep(1.0)  # its offload settles
-    before = pd.p2p_cached()
+    before, loads_before = pd.p2p_cached(), pd.metric("decode", LOADS)
     src = {"kv_request_id": f"pull-{uuid.uuid4().hex}", "remote_host": "127.0.0.1", "remote_port": pd.prefill_p2p}
     got, took = _timed(pd.complete, "decode", text, kv_transfer_params={"remote_kv_source": src})
     pulled = pd.p2p_cached() - before
+    loads = pd.metric("decode", LOADS) - loads_before
     assert_same(got, want, f"a {N_WORDS}-token prompt pulled into a {PULLER_CHUNKS}-chunk CPU tier")
+    assert loads == 1, f"{loads:g} loads for one request: the pull churned (or never went out)"
     assert took <= plain_s + BOUND_S, f"the pull took {took:.2f} s against {plain_s:.2f} s for a plain recompute"
     pd.report.setdefault("small_region", []).append(
-        {"prompt_tokens": N_WORDS, "puller_chunks": PULLER_CHUNKS, "request_s": round(took, 3),
+        {"prompt_tokens": N_WORDS, "puller_chunks": PULLER_CHUNKS, "request_s": round(took, 3), "loads": loads,
          "plain_recompute_s": round(plain_s, 3), "p2p_tokens": pulled})
     print(f"\nsmall region: {took:.3f} s (plain recompute {plain_s:.3f} s), {pulled:g} tokens pulled")

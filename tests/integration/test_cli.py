@@ -87,11 +87,16 @@ def test_config_check_prints_effective_settings_or_the_error(tmp_path):
     assert res.returncode == 0 and "hunter2" not in res.stdout and json.loads(res.stdout)["control"]["secret"] == "***"
 
 
-def test_bench_reports_workers_vs_raw_nixl():
+def test_bench_reports_workers_vs_raw_nixl(tmp_path):
+    from p2pworker.bench import results
+
+    saved = tmp_path / "bench.json"
     res = _run("bench", "--json", "--block-kib", "64", "--blocks", "16", "--requests", "4", "--inflight", "2",
-               timeout_s=240)
+               "--save", str(saved), timeout_s=240)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    doc = results.load(str(saved), "bench")  # the same rows, in the benchmarks' results format
+    assert doc["result"]["rows"] == rows and doc["command"].split()[1:3] == ["bench", "--json"]
     assert [r["data_path"] for r in rows] == ["nixl", "same_host"]  # each path checked against inspect by bench
     assert "bench [" in res.stderr and "64 KiB x 16" in res.stderr  # progress while it runs, on stderr
     for row in rows:

@@ -940,9 +940,12 @@ def test_siblings_give_up_an_id_at_the_last_live_requests_end():
     a = parse_role({"remote_kv_source": {"kv_request_id": "kv-1", "remote_host": "h", "remote_port": 1}})
     other_peer = parse_role({"remote_kv_source": {"kv_request_id": "kv-1", "remote_host": "g", "remote_port": 1}})
     producer = parse_role({"remote_decoder": {"kv_request_id": "kv-1"}})
-    for role in (a, a, other_peer, producer):
-        s.started(role)
+    for role, req in ((a, "r1"), (a, "r2"), (other_peer, "r3"), (producer, "r4")):
+        s.started(role, req)
     assert len(s) == 3  # a producer gives up nothing at its peer
-    assert s.ended(a) is False and s.ended(a) is True  # the second of two is the last
-    assert s.ended(other_peer) is True and len(s) == 0
-    assert s.ended(a) is True  # an end this tier never saw start (a restart between): given up at once
+    assert s.ended(a, "r1") is False and s.ended(a, "r2") is True  # the second of two is the last
+    assert s.ended(other_peer, "r3") is True and len(s) == 0
+    assert s.ended(a, "r9") is True  # an end this tier never saw start (a restart between): given up at once
+    s.started(a, "r5")
+    s.started(a, "r5")  # vLLM rebuilt the request's context: still one request
+    assert s.ended(a, "r5") is True and len(s) == 0

@@ -174,6 +174,8 @@ def test_a_source_that_takes_the_link_but_never_answers_is_recomputed_within_loo
         took = time.monotonic() - t0
         assert seen[-1] == [LookupResult.MISS] * 4, seen[-3:]
         assert took <= LOOKUP_TIMEOUT_S + 1.0, f"a source that never answers held the request {took:.2f} s"
+        # and it was the timeout that ended it: the source's worker and link were up all along (no early refusal)
+        assert took >= 0.8 * LOOKUP_TIMEOUT_S, f"answered after {took:.2f} s: not the source's silence that ended it"
         c = reader.tier.counters()
         assert c["loads_ok"] == 0 and c["pull_keys_landed"] == 0, c
         print(f"{pull_path}: answered MISS after {took:.2f} s (lookup_timeout_s {LOOKUP_TIMEOUT_S:g})")
@@ -185,6 +187,20 @@ def test_a_source_that_takes_the_link_but_never_answers_is_recomputed_within_loo
             e.close()
 
 
+def _siblings_one_ended(prefill: Engine, decode: Engine, ids: list[int], tag: str) -> ReqContext:
+    """The prefill parks ``ids`` for kv-<tag>; two decode requests of that id start, and the first ends (aborted)
+    before it loads.  Returns the second, still live."""
+    prefill.store(f"p-{tag}", ids, {"remote_decoder": {"kv_request_id": f"kv-{tag}"}})
+    host, port = prefill.tier.worker_address.split(":")
+    params = {"remote_prefiller": {"kv_request_id": f"kv-{tag}", "remote_host": host, "remote_port": int(port)}}
+    first, second = (ReqContext(req_id=f"d-{tag}-{i}", kv_transfer_params=params) for i in (1, 2))
+    with decode.lock:
+        decode.mgr.on_new_request(first)
+        decode.mgr.on_new_request(second)
+        decode.mgr.on_request_finished(first)
+    return second
+
+
 def test_a_siblings_end_does_not_release_what_the_other_request_of_its_id_loads(free_port):
     """Two live decode requests share a kv_request_id (sampling with n > 1, or an orchestrator that reuses ids).
     The first ends before it loads: the prefill keeps what it parked for the id (no ConsumerDone yet), and the
@@ -192,14 +208,7 @@ def test_a_siblings_end_does_not_release_what_the_other_request_of_its_id_loads(
     prefill, decode = Engine("sbpf", free_port(), num_chunks=16), Engine("sbpd", free_port(), num_chunks=16)
     try:
         ids = list(range(600, 604))
-        prefill.store("p-sib", ids, {"remote_decoder": {"kv_request_id": "kv-sib"}})
-        host, port = prefill.tier.worker_address.split(":")
-        params = {"remote_prefiller": {"kv_request_id": "kv-sib", "remote_host": host, "remote_port": int(port)}}
-        first, second = (ReqContext(req_id=r, kv_transfer_params=params) for r in ("d-sib-1", "d-sib-2"))
-        with decode.lock:
-            decode.mgr.on_new_request(first)
-            decode.mgr.on_new_request(second)
-            decode.mgr.on_request_finished(first)  # ended (aborted) before it loaded
+        second = _siblings_one_ended(prefill, decode, ids, "sib")
         run_until([prefill, decode], lambda: decode.idle() and not decode.tier.outbox.pending, timeout_s=10)
         seen = passes(decode, prefill, second, ids, 3)
         assert LookupResult.HIT_PENDING in seen[0] and seen[-1] == [LookupResult.HIT] * 4, seen
@@ -208,6 +217,31 @@ def test_a_siblings_end_does_not_release_what_the_other_request_of_its_id_loads(
         with decode.lock:
             decode.mgr.on_request_finished(second)  # the last: the prefill now releases the id
         run_until([prefill, decode], prefill.idle, timeout_s=20)
+    finally:
+        for e in (decode, prefill):
+            e.close()
+
+
+def test_the_peer_releases_an_id_when_the_last_of_its_requests_ends(free_port):
+    """Two live decode requests share a kv_request_id and neither loads (both aborted): the prefill keeps what it
+    parked for the id while one of them lives, and releases it as soon as the last one ends (ConsumerDone), not
+    park_timeout_s later."""
+    prefill, decode = Engine("sbrpf", free_port(), num_chunks=16), Engine("sbrpd", free_port(), num_chunks=16)
+    try:
+        second = _siblings_one_ended(prefill, decode, list(range(650, 654)), "rel")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # both engines step: a ConsumerDone, had one gone, is handled by now
+            for e in (decode, prefill):
+                e.step()
+            time.sleep(0.01)
+        assert not prefill.idle(), "the prefill released the id while a request of it still lived"
+        with decode.lock:
+            decode.mgr.on_request_finished(second)
+        t0 = time.monotonic()
+        run_until([prefill, decode], prefill.idle, timeout_s=10)
+        released = time.monotonic() - t0
+        assert released < 5.0, f"released {released:.2f} s after the last request ended"
+        print(f"the id held 1.5 s while a sibling lived; released {released:.3f} s after the last one ended")
     finally:
         for e in (decode, prefill):
             e.close()
