@@ -56,9 +56,13 @@ def _attach_ring(name: str, role: Role, msg_type: Any, deadline: float, clock: C
             time.sleep(0.1)
 
 
-def _shared(name: str) -> property:
-    """One of the core's attributes, read and set through the Worker (what tests, hooks and metrics use)."""
-    return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value))
+def _shared(name: str, settable: bool = True) -> property:
+    """One of the core's attributes, read (and, unless it is derived, set) through the Worker (what tests, hooks and
+    metrics use)."""
+    def get(self):
+        return getattr(self.core, name)
+
+    return property(get, (lambda self, value: setattr(self.core, name, value)) if settable else None)
 
 
 class Worker:
@@ -107,12 +111,12 @@ class Worker:
     att = _shared("att")
     phase = _shared("phase")
     stop_reason = _shared("stop_reason")
-    ctl = _shared("ctl")
-    data = _shared("data")
-    ctx = _shared("ctx")
-    region = _shared("region")
-    identity = _shared("identity")
-    stopping = _shared("stopping")
+    ctl = _shared("ctl", settable=False)  # derived from the attachment / the phase
+    data = _shared("data", settable=False)
+    ctx = _shared("ctx", settable=False)
+    region = _shared("region", settable=False)
+    identity = _shared("identity", settable=False)
+    stopping = _shared("stopping", settable=False)
 
     @property
     def sessions(self) -> dict:

@@ -204,5 +204,16 @@ def idle_until(engine: Engine, done, why: str, timeout_s: float = 30.0) -> int:
     return n
 
 
+def pull(reader: Engine, address: str, rid: str, kv: str | None = None) -> ReqContext:
+    """A new request on ``reader`` pulling its prefix from the worker at ``address`` (``remote_kv_source``, under
+    ``kv`` or the request's own id), as vLLM starts it."""
+    host, port = address.split(":")
+    ctx = ReqContext(req_id=rid, kv_transfer_params={
+        "remote_kv_source": {"kv_request_id": kv or rid, "remote_host": host, "remote_port": int(port)}})
+    with reader.lock:
+        reader.mgr.on_new_request(ctx)
+    return ctx
+
+
 __all__ = ["Engine", "LookupResult", "ReqContext", "key", "payload", "payloads", "run_until", "ROW", "IDLE_ENGINE",
-           "idle_steps", "idle_until"]
+           "idle_steps", "idle_until", "pull"]

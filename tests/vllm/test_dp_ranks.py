@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.helpers.ports import free_port_run
-from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, run_until
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, pull, run_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,15 +39,6 @@ def _engines(name: str, **kw) -> list[Engine]:
             e.close()
         raise
     return out
-
-
-def _pull(reader: Engine, address: str, rid: str) -> ReqContext:
-    host, port = address.split(":")
-    ctx = ReqContext(req_id=rid, kv_transfer_params={
-        "remote_kv_source": {"kv_request_id": rid, "remote_host": host, "remote_port": int(port)}})
-    with reader.lock:
-        reader.mgr.on_new_request(ctx)
-    return ctx
 
 
 def _until_answered(reader: Engine, others: list[Engine], ctx: ReqContext, ids: list[int],
@@ -79,7 +70,7 @@ def test_each_rank_pulls_and_serves_on_its_port_and_a_dead_source_is_refused_on_
             run_until([src], src.idle)
         pullers[0].step()  # rank 0 has stepped before its first pull; rank 1 has not
         for r, reader in enumerate(pullers):
-            ctx = _pull(reader, addresses[r], f"dp-pull-{r}")
+            ctx = pull(reader, addresses[r], f"dp-pull-{r}")
             t0 = time.monotonic()
             got = _until_answered(reader, [sources[r]], ctx, ids_of[r], timeout_s=30)
             took = time.monotonic() - t0
@@ -99,7 +90,7 @@ def test_each_rank_pulls_and_serves_on_its_port_and_a_dead_source_is_refused_on_
         for src in sources:
             os.kill(src.tier.supervisor.client.proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        ctxs = [_pull(reader, addresses[r], f"dp-dead-{r}") for r, reader in enumerate(pullers)]
+        ctxs = [pull(reader, addresses[r], f"dp-dead-{r}") for r, reader in enumerate(pullers)]
         seen_at = []
         for r, reader in enumerate(pullers):  # the source engines take no step: their tiers restart nothing
             got = _until_answered(reader, [], ctxs[r], dead_ids[r], timeout_s=10)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, run_until
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, pull, run_until
 
 
 def pair(free_port, pull_path: str = "one_trip"):
@@ -33,15 +33,6 @@ def small(free_port, request):
 @pytest.fixture
 def small_one_trip(free_port):
     yield from pair(free_port)
-
-
-def pull(reader: Engine, address: str, rid: str, kv: str) -> ReqContext:
-    host, port = address.split(":")
-    ctx = ReqContext(req_id=rid, kv_transfer_params={
-        "remote_kv_source": {"kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
-    with reader.lock:
-        reader.mgr.on_new_request(ctx)
-    return ctx
 
 
 def passes(reader: Engine, owner: Engine | None, ctx: ReqContext, ids: list[int], n: int) -> list[list]:
