@@ -37,11 +37,12 @@ class LinkUp(NamedTuple):
 
 class DownCause(enum.Enum):
     """Why a link went down, where the transport can tell (``LinkDown.cause``, ``LinkInfo.cause``).  The value
-    starts the reason string of the first three; each of them has a counter (the transport's ``counters``)."""
+    starts the reason string of the first four; each of them has a counter (the transport's ``counters``)."""
 
     REFUSED = "connection refused"  # the TCP connect failed: nothing listens at the address (or no route there)
     HANDSHAKE_FAILED = "handshake failed (protocol)"  # TCP accepted, but what answers is not our transport
     HANDSHAKE_DROPPED = "connection closed during the handshake"  # a peer of our kind hung up before the welcome
+    CLOSED = "connection closed"  # an UP link's TCP connection ended: the peer's process exited (or a reset on the path)
     OTHER = "other"  # anything else: no answer, heartbeat lost, reset, bye, rejected (see the reason)
 
 

@@ -41,8 +41,12 @@ TCP but does not speak ZMTP (an HTTP server, or one that hangs up at once) is
 peer that hangs up before our handshake ends is ``DownCause.HANDSHAKE_DROPPED``.
 Each such failure counts in ``counters`` (:data:`CAUSE_COUNTERS`) and is
 logged at WARNING once per address and cause (again only after a link to it
-was UP).  The monitor is closed when the link comes UP: heartbeats watch an UP
-link, and libzmq's own reconnects under it (a TCP hiccup) are not failures.
+was UP).  The monitor stays while the link is UP (Wire.UP): the end of the TCP
+connection under it is the peer's process gone (the kernel closed its socket:
+it exited, was killed or restarted) or a reset on the path, and takes the link
+DOWN at once as ``DownCause.CLOSED`` (libzmq would redial under the link, and
+only 3 s of heartbeat silence would tell).  A peer that is silent without a
+close (stopped, starved, a cut path) is the heartbeats' to judge.
 
 Inbound links exist per routing id: CHALLENGED --AUTH ok--> UP, and vanish on
 silence, BYE or a failed proof.  What each received frame does, by side and
@@ -81,6 +85,7 @@ from p2pworker.control.zmq_inbound import InboundLinks
 from p2pworker.control.zmq_outbound import OutboundLinks
 from p2pworker.control.zmq_wire import (
     _EMPTY,
+    Wire,
     CAUSE_COUNTERS,
     K_BYE,
     K_DATA,
@@ -214,8 +219,8 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
         return self._links.get(link_id)
 
     def sockets(self) -> list[zmq.Socket]:
-        """Every socket to watch for POLLIN (for an outer poll loop): the router, each DEALER and, before its link
-        is UP, the DEALER's socket monitor."""
+        """Every socket to watch for POLLIN (for an outer poll loop): the router, each DEALER and its socket
+        monitor."""
         return [self._router] + [s for lk in self._links.values() for s in (lk.sock, lk.monitor) if s is not None]
 
     def quiet(self, readable) -> bool:
@@ -351,7 +356,8 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
 
     def _up(self, link: Link) -> None:
         if link.outbound:
-            self._unwatch(link)  # heartbeats watch an UP link: libzmq reconnecting under it is no failure
+            # the monitor stays: a drop of the TCP connection under an UP link is the peer gone (MONITOR_MOVES)
+            link.wire = Wire.UP
             for cause in CAUSE_COUNTERS:  # it works now: a later failure there is news again
                 self._warned.pop((link.address, cause), None)
         link.state = LinkState.UP

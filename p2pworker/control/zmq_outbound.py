@@ -1,5 +1,5 @@
 """Outbound control links (our DEALER per peer): dialing, the socket monitor that follows the TCP connection under a
-dial, the initiator's side of the handshake, and the deadline of a handshake that does not end.  A mixin of
+link (its dial, and its end once UP), the initiator's side of the handshake, and the deadline of a handshake that does not end.  A mixin of
 :class:`~p2pworker.control.zmq_control.ZmqControl` (its state lives there)."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class OutboundLinks:
         self._send_quiet(link, K_HELLO, _enc.encode(HandshakeHello(CONTROL_VERSION, self.node_id, link.nonce)))
 
     def _unwatch(self, link: Link) -> None:
-        """Close ``link``'s socket monitor (at UP, or with its DEALER)."""
+        """Close ``link``'s socket monitor (with its DEALER)."""
         monitor = link.monitor
         if monitor is None:
             return
@@ -127,12 +127,19 @@ class OutboundLinks:
             elif isinstance(move, DownCause):
                 # what the DEALER already holds first: a REJECT before the hang-up is the truer reason
                 self._drain_dealer(link)
-                if link.monitor is monitor and link.state in (LinkState.CONNECTING, LinkState.AUTHING):
+                if link.monitor is not monitor:
+                    return
+                if link.state in (LinkState.CONNECTING, LinkState.AUTHING):
                     err = int(event["value"])
                     detail = _CAUSE_DETAIL[move]
                     if move is DownCause.HANDSHAKE_FAILED and err:  # NO_DETAIL / PROTOCOL carry an errno
                         detail += f" ({os.strerror(err)})"
                     self._dial_failed(link, move, detail)
+                elif link.state is LinkState.UP and move is DownCause.CLOSED:
+                    # Not a failed dial: counted, logged at INFO with the other downs, redialled after the link's
+                    # backoff (reconnect_min_s: _up reset it), so a restarted peer is found as soon as it listens.
+                    self.counters[CAUSE_COUNTERS[move]] += 1
+                    self._down(link, f"{move.value}: {link.address}: {_CAUSE_DETAIL[move]}", retry=True, cause=move)
 
     def _drain_dealer(self, link: Link) -> None:
         for _ in range(self.config.max_batch):

@@ -108,6 +108,7 @@ class Wire(enum.Enum):
     DIALING = "dialing"  # TCP connect in progress (libzmq retries it on its own until we close the DEALER)
     TCP = "tcp"  # TCP connected; no ZMTP greeting from the peer yet
     ZMTP = "zmtp"  # libzmq's ZMTP handshake done: only our HELLO / CHALLENGE / AUTH / WELCOME remains
+    UP = "up"  # our handshake done too: the link is UP, and the end of its TCP connection is the peer gone
 
 
 # Socket-monitor events of an outbound link's DEALER before UP: (wire, or ANY, event) -> the wire it moves to, or
@@ -115,6 +116,9 @@ class Wire(enum.Enum):
 # sequences (4.3): refused:  CONNECT_RETRIED with no CONNECTED before it;  TCP accepted, then garbage or a hang-up:
 # CONNECTED, HANDSHAKE_FAILED_NO_DETAIL (errno), DISCONNECTED, CONNECT_RETRIED;  a ZMTP peer: CONNECTED,
 # HANDSHAKE_SUCCEEDED.  A CONNECT_RETRIED after a CONNECTED follows a drop, which already took the link down.
+# Once the link is UP (Wire.UP), a DISCONNECTED is the peer's process gone (the kernel closed its socket: it exited,
+# was killed, or restarted) or a reset on the path: DOWN at once, not after 3 s of heartbeat silence while libzmq
+# redials under the link.  A peer that is only silent (stopped, a cut path) sends no FIN: heartbeats still judge it.
 MONITOR_MOVES: dict[tuple[Wire | None, zmq.Event], Wire | DownCause] = {
     (ANY, zmq.Event.CONNECTED): Wire.TCP,
     (ANY, zmq.Event.HANDSHAKE_SUCCEEDED): Wire.ZMTP,
@@ -123,6 +127,7 @@ MONITOR_MOVES: dict[tuple[Wire | None, zmq.Event], Wire | DownCause] = {
     (ANY, zmq.Event.HANDSHAKE_FAILED_PROTOCOL): DownCause.HANDSHAKE_FAILED,  # a greeting that is not ZMTP 3
     (Wire.TCP, zmq.Event.DISCONNECTED): DownCause.HANDSHAKE_FAILED,  # (libzmq says HANDSHAKE_FAILED first)
     (Wire.ZMTP, zmq.Event.DISCONNECTED): DownCause.HANDSHAKE_DROPPED,
+    (Wire.UP, zmq.Event.DISCONNECTED): DownCause.CLOSED,
 }
 # the events the monitor subscribes to: only those the table reads (CONNECT_DELAYED, "connect in progress", is not
 # a failure and would only wake the loop)
@@ -133,6 +138,7 @@ CAUSE_COUNTERS: dict[DownCause, str] = {
     DownCause.REFUSED: "connect_refused",
     DownCause.HANDSHAKE_FAILED: "handshake_failed",
     DownCause.HANDSHAKE_DROPPED: "handshake_dropped",
+    DownCause.CLOSED: "connection_closed",
 }
 
 # what the LinkDown reason says after "<cause>: <address>: "
@@ -140,6 +146,7 @@ _CAUSE_DETAIL: dict[DownCause, str] = {
     DownCause.REFUSED: "nothing accepts TCP connections there (or there is no route to it)",
     DownCause.HANDSHAKE_FAILED: "it accepted TCP but does not speak ZMTP (not a p2pworker control port?)",
     DownCause.HANDSHAKE_DROPPED: "it closed the connection before our handshake completed",
+    DownCause.CLOSED: "the peer's process exited or restarted (or the path reset the connection)",
 }
 
 _WARNED_MAX = 1024  # (address, cause) pairs remembered for log-once; the oldest is forgotten beyond
@@ -165,7 +172,7 @@ class Link:
     state: LinkState
     node_id: str = ""
     sock: zmq.Socket | None = None
-    monitor: zmq.Socket | None = None  # outbound, before UP: sock's socket monitor (closed with sock, or at UP)
+    monitor: zmq.Socket | None = None  # outbound: sock's socket monitor (closed with sock)
     wire: Wire = Wire.DIALING  # outbound: how far sock's TCP connection got (from the monitor)
     ident: bytes = b""
     nonce: bytes = b""

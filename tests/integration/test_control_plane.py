@@ -517,6 +517,7 @@ def test_the_monitor_table_reads_every_dial_outcome_and_subscribes_to_exactly_it
     assert (Wire.TCP, zmq.Event.CONNECT_RETRIED) not in MONITOR_MOVES  # a retry after a drop: already down
     assert MONITOR_MOVES[(Wire.TCP, zmq.Event.DISCONNECTED)] is DownCause.HANDSHAKE_FAILED
     assert MONITOR_MOVES[(Wire.ZMTP, zmq.Event.DISCONNECTED)] is DownCause.HANDSHAKE_DROPPED
+    assert MONITOR_MOVES[(Wire.UP, zmq.Event.DISCONNECTED)] is DownCause.CLOSED  # an UP link's connection ended
     assert MONITOR_MOVES[(ANY, zmq.Event.CONNECTED)] is Wire.TCP
     assert MONITOR_MOVES[(ANY, zmq.Event.HANDSHAKE_SUCCEEDED)] is Wire.ZMTP
     assert set(DownCause) - {DownCause.OTHER} <= set(MONITOR_MOVES.values())  # every cause has a way in
