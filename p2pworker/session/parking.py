@@ -40,6 +40,11 @@ Lease phases (a parcel has at most one lease at a time; :data:`LEASE_MOVES` is t
     (none) --Fetch--> OFFERING --final Offer sent--> HELD
     OFFERING | HELD --its session closed with rows offered--> HELD (no owner: nothing more is offered)
     OFFERING | HELD --Release, now >= hold_until, or nothing offered when its session closed--> ENDED (none)
+    HELD (no owner) --the closed session's peer process exited (reader_gone)--> ENDED (none)
+
+A consumer's process that exited reads nothing more: the worker tells the lot so (``reader_gone``) where the kernel
+says it (a pidfd of a same-host lane's peer, p2pworker/worker/exits.py), and that session's leases end then, as
+one that ran out does.  A link's end never says it: a partitioned consumer may still be reading.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ class Ask(enum.Enum):
 class LeaseEvent(enum.Enum):
     FINAL_OFFER = "final_offer"
     OWNER_GONE = "owner_gone"  # the serving session closed with rows offered: they stay pinned (invariant 7)
-    END = "end"  # Release, the hold's end, or nothing offered (its session closed, or the worker shuts down)
+    END = "end"  # Release, the hold's end, its reader's process exited, or nothing offered (its session closed, or
+    # the worker shuts down)
 
 
 LEASE_MOVES: dict[tuple[LeasePhase, LeaseEvent], LeasePhase] = {
@@ -104,6 +110,7 @@ class Lease:
     parts: int = 1  # Fetch parts received
     read: list[bytes] = field(default_factory=list)  # keys named by the Release parts received so far
     ask: Ask = Ask.NONE
+    reader: Any = None  # once its session closed with rows offered: that session (reader_gone() ends it early)
 
 
 @dataclass(eq=False)
@@ -158,6 +165,37 @@ class DueHeap:
         return sorted(at for at, *_ in self._heap)
 
 
+class Orphans:
+    """Leases whose session closed with rows offered, by that session (their reader), for reader_gone()."""
+
+    def __init__(self) -> None:
+        self._by: dict[Any, dict[Parcel, Lease]] = {}
+
+    def add(self, p: Parcel, lease: Lease) -> None:
+        """``lease``'s owner closed: it is the lease's reader from now on."""
+        lease.reader = lease.owner
+        self._by.setdefault(lease.reader, {})[p] = lease
+
+    def ended(self, p: Parcel, lease: Lease) -> None:
+        held = self._by.get(lease.reader) if lease.reader is not None else None
+        if held is not None:
+            held.pop(p, None)
+            if not held:
+                del self._by[lease.reader]
+
+    def count(self, reader: Any) -> int:
+        return len(self._by.get(reader, ()))
+
+    def gone(self, reader: Any, release: Callable[[Parcel, list[bytes], str], None], reason: str) -> int:
+        """The process behind ``reader`` exited: ``release`` each of its leases still bound, none read.  Call only
+        when the kernel says it exited (invariant 7: a read runs in its reader's process), never on a link's end."""
+        held = self._by.pop(reader, {})
+        for p, lease in held.items():
+            if p.lease is lease:
+                release(p, [], reason)
+        return len(held)
+
+
 class ParkingLot:
     def __init__(self, reporter: Reporter, clock: Callable[[], float], *, block_bytes: int,
                  park_timeout_s: float = 60.0, park_unfinished_s: float = 1800.0):
@@ -169,9 +207,8 @@ class ParkingLot:
         self.parcels: dict[str, Parcel] = {}
         self.reaped = self.leases_expired = 0
         self.leases = 0  # parcels under a lease now
-        # leases with rows offered: a consumer may be reading them, which over TCP moves only while we progress, so
-        # the worker polls only while this is > 0 (a consumer reads nothing before it is offered rows)
-        self.offering = 0
+        self.offering = 0  # leases with rows offered: read over TCP only while we progress, so the worker polls then
+        self.orphans = Orphans()
         self.last_offer_at = -math.inf  # when rows were last offered (the worker polls fastest right after)
         self.due = DueHeap()
 
@@ -332,8 +369,13 @@ class ParkingLot:
             else:
                 self.drop(p, reason)
             return
+        self.orphans.add(p, lease)
         lease.owner = None
         lease.phase = move(LEASE_MOVES, lease.phase, LeaseEvent.OWNER_GONE)
+
+    def reader_gone(self, reader: Any, reason: str) -> int:
+        """The process behind ``reader`` (a closed session's peer) exited: its leases end now (Orphans.gone)."""
+        return self.orphans.gone(reader, self.release, reason)
 
     def _unbind(self, p: Parcel, lease: Lease) -> None:
         """``lease`` ends: ``p`` is free of it, and it no longer counts among the leases (with offered rows)."""
@@ -342,6 +384,7 @@ class ParkingLot:
         self.leases -= 1
         if lease.offered:
             self.offering -= 1
+        self.orphans.ended(p, lease)
 
     # ------------------------------------------------------------ job bookkeeping
     def _fail_keys(self, p: Parcel, keys: list[bytes], reason: str, now: float) -> None:
@@ -437,9 +480,8 @@ class ParkingLot:
         return owners
 
     def shutdown(self, reason: str) -> int:
-        """Worker exit: fail the store jobs of parcels without a lease.  Leased ones are NOT reported: a
-        consumer may still be reading their rows, and only this process's death stops a read by pid (the
-        adapter fails those jobs once the process is gone).  Returns how many parcels stay leased."""
+        """Worker exit: fail the store jobs of parcels without a lease.  Leased ones are NOT reported: a consumer may
+        still read their rows until this process is gone (the adapter fails them then).  Returns how many stay."""
         held = 0
         for p in list(self.parcels.values()):
             if p.lease is not None and p.lease.offered:

@@ -14,6 +14,7 @@ tests/unit/test_worker_shutdown.py):
     actions.py     ActionRunner: a session's actions performed (sends, data peers, reads), settled reads back
     lanes.py       LaneSwitch: same-host lanes, one record per link with its stage (DIALING, OFFERED, UP)
     lane_host.py   LaneHost: what the lanes yield, turned into session moves
+    exits.py       PeerExits: a pidfd of each lane's peer; a closed session's leases end once that process exited
     peers.py       PeerBook: outbound links by address, which came up once, backoff, kept peers (no I/O)
     resolver.py    Resolver: host names resolved off the loop, with the commands that wait for them
     timers.py      Timers: tick, heartbeat, liveness, heap trim; the worker's clock

@@ -17,6 +17,7 @@ from p2pworker.data.handover import LANE_TAKEN
 from p2pworker.protocol.messages import LaneUp, encode
 from p2pworker.session import CloseCause, Session, State
 from p2pworker.worker.core import Core
+from p2pworker.worker.exits import PeerExits
 from p2pworker.worker.lanes import LaneEnded, LaneStage, LaneSwitch
 from p2pworker.worker.ports import Roster
 
@@ -30,6 +31,8 @@ class LaneHost:
         self.host = host
         self.unready = unready  # the sleeper's: the last sleep watched this source and found nothing to read
         self.switch = LaneSwitch(core.cfg.control.max_frame_bytes, core.cfg.control.hwm, core.clock)
+        # the lanes' peers: a lease of one whose process exited ends then (exits.py)
+        self.exits = PeerExits(lambda: core.ctx.lot if core.ctx is not None else None, core.counters)
 
     def poll(self) -> bool:
         """Dials the acceptor took, then frames (or ends) on the switched lanes; True when anything happened."""
@@ -76,6 +79,7 @@ class LaneHost:
             lane.close()
             return
         self.switch.up(link, s, lane)
+        self.exits.know(s, lane.sock)
         self.core.counters["lanes_up"] += 1
 
     def lane_read(self, link: str, s: Session) -> None:
@@ -122,3 +126,5 @@ class LaneHost:
         server = self.core.data.lane_server() if self.core.data is not None else None
         if server is not None and s.peer_lane_key:
             server.forget_lane(s.peer_lane_key)
+        if s.state is State.CLOSED:  # retired (a lane's end drops it before the close too): its leases are ownerless
+            self.exits.retired(s)

@@ -222,6 +222,7 @@ class Worker:
         self.lanes.switch.deadlines(now)
         if self.ctx is not None:
             self.ctx.lot.tick()
+            self.lanes.exits.tick()
             self.host.reopen_kept()
         if self.phase is WorkerPhase.DRAINING and self.reporter.open_jobs == 0 and not self._in_flight():
             self.core.phase = next_phase(self.phase, PhaseEvent.DRAINED)  # still refusing new work
@@ -269,8 +270,11 @@ class Worker:
             self.instruments.on_stop()
         except Exception:  # noqa: BLE001  (hook code: whatever it raised, the orderly stop still runs)
             log.exception("instrument point on_stop raised; stopping anyway")
-        shut_down(self.core, StopRooms(self.commands, self.host, self.runner, self.outbox, self.lanes.switch,
-                                       tuple(x for x in (self.metrics, self.admin) if x is not None)))
+        try:
+            shut_down(self.core, StopRooms(self.commands, self.host, self.runner, self.outbox, self.lanes.switch,
+                                           tuple(x for x in (self.metrics, self.admin) if x is not None)))
+        finally:
+            self.lanes.exits.close()
 
     def status(self) -> dict:
         return status(self.core, self.host, self.lanes.switch)

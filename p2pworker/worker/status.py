@@ -32,6 +32,8 @@ def status(w: Core, host: Roster, switch: LaneSwitch) -> dict:
         "bytes_read": data.stats.bytes_done if data else 0,
         "transfers": {"done": data.stats.done, "failed": data.stats.failed} if data else {},
         "parked_requests": len(att.ctx.lot.parcels) if att else 0,
+        "leases": att.ctx.lot.leases if att else 0,  # parcels under a consumer's lease
+        "leases_offering": att.ctx.lot.offering if att else 0,  # of them, with rows offered (pinned)
         "ring_depth": {"cmd": w.cmd.depth(), "evt": w.evt.depth()},
         "control": dict(att.ctl.counters) if att else {},
         "counters": dict(w.counters),

@@ -18,7 +18,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pworker.session.parking import Lease, ParkingLot
+from p2pworker.session.parking import Lease, LeasePhase, ParkingLot
 from p2pworker.session.reporter import JobDone, Reporter
 from tests.helpers.session import Clock
 
@@ -300,3 +300,52 @@ def test_a_dones_tombstone_outlives_the_close_of_a_session_whose_lease_offered_n
     clock.now = 61.0
     lot.tick()
     assert "req" not in lot.parcels  # the tombstone still goes at the reaper's look
+
+
+def _offered_lease(lot: ParkingLot, req: str, job: int, owner: object, row: int) -> tuple:
+    """``req`` parked (one key, job ``job``) and offered under a lease ``owner`` serves; the request finished."""
+    lot.store(job, req, [req.encode()], [row])
+    lot.request_finished(req)
+    p = lot.parcel(req)
+    lease = Lease(1, owner, {}, 20.0, 30.0)
+    lot.bind(p, lease)
+    lot.offering_starts(lease, 0.0)
+    lease.offered[req.encode()] = row
+    lease.phase = LeasePhase.HELD
+    return p, lease
+
+
+def test_a_closed_sessions_leases_end_when_its_reader_is_gone_and_not_before():
+    """abandon() keeps the offered rows pinned (the reader may still read) and records whose they were; orphans.count()
+    counts them; reader_gone() ends them at once, failing what was not released, and only that reader's; a lease
+    that ended otherwise (its hold ran out) leaves no record behind."""
+    clock, reporter = Clock(0.0), Reporter()
+    lot = ParkingLot(reporter, clock, block_bytes=BLOCK)
+    a, b = object(), object()
+    pa, _ = _offered_lease(lot, "ra", 1, a, 1)
+    pa2, _ = _offered_lease(lot, "ra2", 2, a, 2)
+    pb, _ = _offered_lease(lot, "rb", 3, b, 3)
+    for p in (pa, pa2, pb):
+        lot.abandon(p, "session closed")
+    assert lot.orphans.count(a) == 2 and lot.orphans.count(b) == 1
+    assert not [e for e in reporter.events if isinstance(e, JobDone)]  # pinned: nothing reported
+    assert lot.reader_gone(a, "consumer exited") == 2
+    done = {e.job_id: e for e in reporter.events if isinstance(e, JobDone)}
+    assert set(done) == {1, 2} and not any(d.success for d in done.values())
+    assert all(d.reason == "consumer exited" for d in done.values())
+    assert lot.orphans.count(a) == 0 and lot.orphans.count(b) == 1 and lot.leases == 1 and lot.offering == 1
+    assert lot.reader_gone(a, "again") == 0  # once
+    clock.now = 40.0  # b's lease runs out: its record goes with it
+    lot.tick()
+    assert lot.orphans.count(b) == 0 and lot.leases == 0 and lot.offering == 0
+    assert {e.job_id for e in reporter.events if isinstance(e, JobDone)} == {1, 2, 3}
+
+
+def test_a_lease_whose_session_lives_is_no_readers_to_end():
+    """Only a closed session's leases are a reader's: a live owner's lease is untouched by reader_gone()."""
+    clock, reporter = Clock(0.0), Reporter()
+    lot = ParkingLot(reporter, clock, block_bytes=BLOCK)
+    owner = object()
+    p, lease = _offered_lease(lot, "r", 1, owner, 1)
+    assert lot.orphans.count(owner) == 0 and lot.reader_gone(owner, "exited") == 0
+    assert p.lease is lease and not reporter.events

@@ -557,7 +557,7 @@ def _status_worker(phase=WorkerPhase.RUNNING, attached=False):
     if attached:
         att = Attachment(
             region=types.SimpleNamespace(num_blocks=8, block_bytes=BLOCK), ctl=_Ctl(None), data=_StatusData(),
-            ctx=types.SimpleNamespace(lot=types.SimpleNamespace(parcels={"r1": None, "r2": None})),
+            ctx=types.SimpleNamespace(lot=types.SimpleNamespace(parcels={"r1": None, "r2": None}, leases=1, offering=1)),
             fingerprint=Fingerprint.build(block_bytes=BLOCK, protocol_version=PROTOCOL_VERSION),
             copy_threads=4)
     ring = types.SimpleNamespace(depth=lambda: 1)
@@ -601,6 +601,7 @@ def test_an_attached_worker_reports_its_region_data_plane_and_one_row_per_sessio
     assert st["region"] == {"num_blocks": 8, "block_bytes": BLOCK}
     assert st["transfers"] == {"done": 4, "failed": 1} and st["bytes_read"] == 1 << 20
     assert (st["transfers_in_flight"], st["parked_requests"], st["control"]) == (3, 2, {"frames_in": 7})
+    assert (st["leases"], st["leases_offering"]) == (1, 1)
     out, inb = st["sessions"]
     assert (out["link"], out["peer_id"], out["state"], out["open_loads"], out["lane"]) == (
         "out-1", "peer-b", "active", 2, "up")
