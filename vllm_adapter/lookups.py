@@ -29,8 +29,10 @@ log = logging.getLogger("vllm_adapter.tier")
 class AskedLookups:
     def __init__(self, outbox: Outbox, hints: SourceHints, counts: Counts, *, one_trip: bool = True):
         self._outbox, self._hints, self._counts, self._one_trip = outbox, hints, counts, one_trip
-        self._answers: dict[str, dict[bytes, bool]] = {}  # key -> the peer holds it
-        self._asked: dict[str, set[bytes]] = {}  # keys asked, no answer yet (present while the request lives)
+        # by (address, kv_request_id): one id may name requests at two peers (an orchestrator's reused id), whose
+        # answers say nothing of each other
+        self._answers: dict[tuple[str, str], dict[bytes, bool]] = {}  # key -> the peer holds it
+        self._asked: dict[tuple[str, str], set[bytes]] = {}  # keys asked, no answer yet (while the request lives)
         self._asking: dict[tuple[str, str], list[bytes]] = {}  # (address, kv_request_id) -> keys to ask
         self._lookups: dict[int, tuple[str, str, list[bytes]]] = {}  # lookup id -> (address, kv_request_id, keys)
         self._next_lookup = 1
@@ -62,22 +64,22 @@ class AskedLookups:
         """The two-step path: the peer's answer for ``key``; RETRY while it is asked (batched at the step's end or
         the next poll)."""
         k = bytes(key)
-        answers = self._answers.get(rid)
+        answers = self._answers.get((address, rid))
         answer = answers.get(k) if answers is not None else None
         if answer is None:
-            asked = self._asked.get(rid)
+            asked = self._asked.get((address, rid))
             if asked is None:
-                asked = self._asked[rid] = set()
+                asked = self._asked[(address, rid)] = set()
             if k not in asked:
                 asked.add(k)
                 self._asking.setdefault((address, rid), []).append(k)
             return LookupResult.RETRY  # asked (batched at the step's end); HIT or MISS once the peer answers
         return LookupResult.HIT if answer else LookupResult.MISS
 
-    def forget(self, rid: str) -> None:
-        """The request finished."""
-        self._answers.pop(rid, None)
-        self._asked.pop(rid, None)
+    def forget(self, address: str, rid: str) -> None:
+        """The last request of ``rid`` at ``address`` finished."""
+        self._answers.pop((address, rid), None)
+        self._asked.pop((address, rid), None)
 
     def send_asks(self) -> None:
         for (address, rid), asking in list(self._asking.items()):  # one batched lookup per request and peer
@@ -122,10 +124,10 @@ class AskedLookups:
             self._hints.lacked(address, [k for k, p in zip(keys, present) if not p])
         elif present is None and address:  # it could not answer: if the peer failed it, asked first a while
             self._hints.failed(address, why)
-        asked = self._asked.get(rid)
+        asked = self._asked.get((address, rid))
         if asked is None:
             return
-        answers = self._answers.setdefault(rid, {})
+        answers = self._answers.setdefault((address, rid), {})
         if present is not None and len(present) != len(keys):
             # one flag per key asked, or the answer means nothing: MISS for all (zip would drop the tail, and those
             # keys would answer RETRY forever, never asked again)

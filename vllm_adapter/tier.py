@@ -317,7 +317,7 @@ class P2PWorkerTier(SecondaryTierManager):
             self.finished.finished(role.park_id)
         if role.kind.loads and self.siblings.ended(role, req_context.req_id):  # the last of this id at this peer
             if role.kind.asks:
-                self.lookups.forget(role.kv_request_id)
+                self.lookups.forget(role.address, role.kv_request_id)
             # Loaded all, some or none (it held a shared prefix; it recomputed; it was aborted): the peer releases
             # what it parked for us and we did not fetch now, not park_timeout_s after its own request's end.
             self.outbox.send(api.ConsumerDone(role.address, role.kv_request_id))

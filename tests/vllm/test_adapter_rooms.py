@@ -664,12 +664,31 @@ def test_asks_without_a_serving_worker_answer_miss_at_once():
 
 def test_a_late_answer_for_a_finished_request_is_dropped():
     asked, box, cmd = one_sent_ask()
-    asked.forget("kv-a")
+    asked.forget("h:1", "kv-a")
     asked.on_result(api.LookupResult(cmd.lookup_id, [True]))
     # a new request under the same id starts afresh: asked again, not answered from the dropped answer
     assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.RETRY
     asked.send_asks()
     assert len(box.commands) == 2 and box.commands[1].keys == [key(1)]
+
+
+def test_one_request_id_at_two_peers_is_asked_and_answered_at_each_and_forgotten_at_each():
+    """An orchestrator's reused kv_request_id names requests pulling from two peers: what one peer answered says
+    nothing of the other (each is asked), and the end of the last request at one peer forgets only its answers."""
+    box, _, _ = outbox()
+    asked = ask_first(box)
+    assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.RETRY
+    asked.send_asks()
+    asked.on_result(api.LookupResult(box.commands[0].lookup_id, [True]))
+    assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.HIT
+    assert asked.lookup("h:2", "kv-a", key(1)) is LookupResult.RETRY  # not h:1's answer
+    asked.send_asks()
+    assert [(c.address, c.request_id, c.keys) for c in box.commands[1:]] == [("h:2", "kv-a", [key(1)])]
+    asked.on_result(api.LookupResult(box.commands[1].lookup_id, [False]))
+    assert asked.lookup("h:2", "kv-a", key(1)) is LookupResult.MISS
+    asked.forget("h:2", "kv-a")
+    assert asked.lookup("h:1", "kv-a", key(1)) is LookupResult.HIT  # h:1's request still lives: kept
+    assert asked.lookup("h:2", "kv-a", key(1)) is LookupResult.RETRY  # forgotten: asked afresh
 
 
 def test_an_answer_with_too_few_flags_is_a_miss_for_every_key_not_a_retry_forever():
