@@ -22,7 +22,9 @@ class ControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval_s: Pos = 1.0
     heartbeat_liveness: PosInt = 3
     reconnect_min_s: Pos = 0.1
-    reconnect_max_s: Pos = 5.0
+    # a DOWN link is redialled at most this far apart: a restarted peer is found within it of listening again, and
+    # a dial nothing accepts costs one SYN and its reset
+    reconnect_max_s: Pos = 1.0
     secret: str | None = None  # None: $P2PWORKER_SECRET (code may also pass bytes)
     auth: bool = True  # False only on purpose: logs a warning
     hwm: PosInt = 1000  # per-socket queue bound, messages

@@ -120,6 +120,40 @@ def test_pull_from_a_busy_source_is_served(pd):
     pd.report["busy_source_pull_s"] = round(took, 3)
 
 
+LOOKUP_TIMEOUT_S = 5.0  # the engines' lookup_timeout_s (configs/vllm-cpu-*.json): how long a source's engine is waited for
+
+
+def test_an_unresponsive_source_makes_the_pull_recompute_within_its_lookup_timeout(pd):
+    """The source's worker is up but its engine never answers (its EngineCore SIGSTOPped: the worker takes the
+    link and the load's ask, nothing pins): the pull recomputes with the single-engine answer within
+    lookup_timeout_s + one recompute + 1 s, instead of waiting on the source for ever (vLLM's in-tree tier: RETRY for
+    ever, vllm-project/vllm#56823).  Resumed, the source serves the next pull."""
+    n = 520
+    text = prompt(n, seed=6180)
+    want = baseline(pd, text)
+    _, recompute_s = timed(pd.complete, "decode", prompt(n, seed=6181))
+    pd.complete("prefill", text, max_tokens=1)  # the source holds the prompt
+    (worker,) = pd.worker_pids("prefill")
+    with open(f"/proc/{worker}/stat") as f:
+        core = int(f.read().rsplit(")", 1)[1].split()[1])  # the worker's parent: the engine core its tier runs in
+    os.kill(core, signal.SIGSTOP)
+    try:
+        got, took, pulled = pull(pd, text, source(pd, "prefill"))
+    finally:
+        os.kill(core, signal.SIGCONT)
+    assert_same(got, want, "pulled from an unresponsive source")
+    assert pulled == 0
+    pd.report["unresponsive_source_pull_s"] = {"pull": round(took, 3), "recompute_same_length": round(recompute_s, 3)}
+    assert took <= LOOKUP_TIMEOUT_S + recompute_s + 1.0, \
+        f"a pull from an unresponsive source took {took:.2f} s (recompute {recompute_s:.2f} s)"
+    text = prompt(n, seed=6182)
+    want = baseline(pd, text)
+    pd.complete("prefill", text, max_tokens=1)
+    got, _, pulled = pull(pd, text, source(pd, "prefill"))
+    assert_same(got, want, "pulled from the resumed source")
+    assert pulled == expected_p2p_tokens(n), f"the resumed source served {pulled} tokens"
+
+
 def test_prefill_leg_pulls_its_prefix_and_serves_the_decode(pd):
     """llm-d's P/D + P2P: the prefill leg carries ``remote_decoder`` AND ``remote_kv_source``.  Here the source is
     the decode engine, which holds a shared prefix: the prefill engine pulls it (p2p tokens on prefill), computes

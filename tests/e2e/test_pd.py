@@ -37,7 +37,9 @@ def pd_request(pd, n: int, seed: int):
     text = prompt(n, seed)
     want = baseline(pd, text)
     before = pd.p2p_cached()
-    got = pd.complete("router", text)
+    # salted: a test run again in one session (a repeat of a flaky one) must not find its prompt in the decode
+    # engine's own prefix cache from the run before, which would answer instead of the P2P tier
+    got = pd.complete("router", text, cache_salt=f"pd-{uuid.uuid4().hex}")
     return got, want, pd.p2p_cached() - before
 
 
@@ -106,19 +108,34 @@ def test_prefill_worker_killed_mid_transfer(pd):
     while not [p for p in pd.worker_pids("prefill") if p != old]:
         assert time.monotonic() < deadline, "the prefill tier did not restart its worker"
         time.sleep(0.2)
-    took = []
-    for attempt in range(20):  # the restarted worker needs a moment; the router path recomputes meanwhile
-        t0 = time.monotonic()
-        got, want, cached = pd_request(pd, 640, seed=3100 + attempt)
-        took.append(round(time.monotonic() - t0, 2))
-        assert_same(got, want, "request after the prefill worker restart")
-        if cached == expected_p2p_tokens(640):
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"no request was served over P2P after the prefill worker restarted ({took} s)")
-    pd.report["after_prefill_worker_restart_request_s"] = took
-    assert max(took) < 10, f"a request waited {max(took)} s around the worker restart (fetch for a lost parcel?)"
+    # The restarted worker serves, and the decode worker's link to it is back on its own: the killed worker's
+    # closed connection took that link down at once, and it is redialled at most [control] reconnect_max_s (1 s)
+    # apart.  Then the very next request is served over P2P.
+    t0 = time.monotonic()
+    while not _linked(pd):
+        assert time.monotonic() - t0 < 30, "the restarted prefill worker never served, or decode never linked to it"
+        time.sleep(0.1)
+    relinked = time.monotonic() - t0
+    t0 = time.monotonic()
+    got, want, cached = pd_request(pd, 640, seed=3100)
+    took = round(time.monotonic() - t0, 2)
+    assert_same(got, want, "request after the prefill worker restart")
+    assert cached == expected_p2p_tokens(640), \
+        f"the first request after the prefill worker restarted was not served over P2P ({cached} tokens)"
+    pd.report.setdefault("after_prefill_worker_restart_request_s", []).append(took)
+    pd.report.setdefault("prefill_worker_restart_relinked_s", []).append(round(relinked, 2))
+    assert took < 10, f"the request waited {took} s after the worker restart (fetch for a lost parcel?)"
+
+
+def _linked(pd) -> bool:
+    """The prefill engine's (restarted) worker runs, and the decode worker holds an active session with it."""
+    try:
+        pre = pd.worker_status("prefill")
+        dec = pd.worker_status("decode")
+    except (OSError, ValueError):  # its admin socket is not there yet (the new worker is starting)
+        return False
+    return pre.get("state") == "running" and any(
+        row["peer_id"] == pre["node_id"] and row["state"] == "active" for row in dec["sessions"])
 
 
 def test_decode_restart_mid_run(pd):
