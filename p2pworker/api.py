@@ -32,7 +32,8 @@ Scalar = Union[str, int, float, bool, None]
 # The check needs AttachRegion itself to decode on the other side: its RegionHandle forbids unknown fields, so a
 # field added there makes an older worker fail to decode it, which the worker reports as this same mismatch
 # (an undecodable command before any region is attached).
-RING_API = 4  # 2: ConsumerDone; ResetCache.loads.  3: LoadJob.ask.  4: AttachRegion.deferred_release, RowsSettled
+RING_API = 5  # 2: ConsumerDone; ResetCache.loads.  3: LoadJob.ask.  4: AttachRegion.deferred_release, RowsSettled.
+# 5: PeerUp.address
 
 
 def ring_api_mismatch(theirs: int, who: str) -> str | None:
@@ -191,6 +192,7 @@ class PeerLookup(msgspec.Struct, tag="peer_lookup"):
 
 class PeerUp(msgspec.Struct, tag="peer_up"):
     peer_id: str
+    address: str = ""  # the address the adapter named (host:port), when our worker dialed it; "" when the peer dialed
 
 
 class PeerDown(msgspec.Struct, tag="peer_down"):

@@ -16,7 +16,9 @@ source itself failed a pull (dead, refusing, unreachable, of another model, too 
 fetch) within ``FAILED_S``.  A failed one-trip load has made vLLM allocate a CPU row for every promised key, evicting
 other requests' ready chunks, before it failed; asking first allocates nothing, so while a source is failing its
 pulls cost the puller's cache nothing.  A source that could not be reached at all (``down``) is not even asked: its
-pulls recompute at once until FAILED_S has passed; then they ask first until it answers.  A hint picks the path, never
+pulls recompute at once until FAILED_S has passed or our worker linked to it again (its PeerUp names the address: a
+restarted source is pulled from again as soon as the link redialled, at most ``reconnect_max_s`` apart); then they
+ask first until it answers.  A hint picks the path, never
 an answer (but for ``down``: MISS, a recompute), so a stale hint costs time, not correctness.  Bounded
 (``HINT_MAX`` entries, oldest dropped first), per (source, key) and per source, fed by the loads' and the lookups'
 outcomes.

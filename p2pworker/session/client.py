@@ -41,7 +41,8 @@ from p2pworker.session.reporter import JobKind
 # and its pulls recompute at once for a while instead of waiting for it again; vllm_adapter/hints.py)
 NO_HANDSHAKE = "no handshake with the peer"
 SESSION_CLOSED = "session to "
-PEER_DOWN = (NO_HANDSHAKE, SESSION_CLOSED)
+UNREACHABLE = "peer unreachable: "  # the worker's: no usable link to the address (down, refused, in backoff)
+PEER_DOWN = (NO_HANDSHAKE, SESSION_CLOSED, UNREACHABLE)
 # ... and one the peer reached but could not serve in time or at all: with PEER_DOWN, the failures that are the peer's
 # (not ours, not the request's: a reset, our worker stopping, a request leased to another fetch blame nobody)
 LOAD_TIMED_OUT = "timed out after"

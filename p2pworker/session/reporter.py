@@ -56,6 +56,7 @@ class ServeLookup(NamedTuple):
 
 class SessionUp(NamedTuple):
     peer_id: str
+    address: str = ""  # the address our worker dialed it at (the adapter's host:port); "" when the peer dialed us
 
 
 class SessionClosed(NamedTuple):

@@ -117,6 +117,7 @@ class Session(ClientRole, ServerRole):
         self.peer_lane_key = b""
         self.lane_in = False
         self.quiet_close = False  # closed after answering a probe: the peer hangs up itself
+        self.address = ""  # the adapter's host:port of the peer, when we dialed it (SessionUp names it)
         self._handlers = {
             m.Hello: self._on_hello,
             m.HelloAck: self._on_hello_ack,
@@ -182,7 +183,7 @@ class Session(ClientRole, ServerRole):
         elif self.lane_key and info.same_host is not None:
             self._out.append(DialLane(self.lane_key, info))
         self.state = move(MOVES, self.state, SessionEvent.HELLO if ack is not None else SessionEvent.HELLO_ACK)
-        self.ctx.reporter.emit(SessionUp(peer_id))
+        self.ctx.reporter.emit(SessionUp(peer_id, self.address))
         queued, self._queue = self._queue, []
         withdrawn, self._withdrawn = self._withdrawn, set()
         for msg in queued:

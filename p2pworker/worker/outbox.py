@@ -127,7 +127,7 @@ def to_api(ev: ReportedEvent) -> api.Event:
     if isinstance(ev, ServeLookup):
         return api.PeerLookup(ev.peer_id, ev.lookup_id, ev.request_id, list(ev.keys))
     if isinstance(ev, SessionUp):
-        return api.PeerUp(ev.peer_id)
+        return api.PeerUp(ev.peer_id, ev.address)
     if isinstance(ev, SessionClosed):
         return api.PeerDown(ev.peer_id, ev.reason)
     raise TypeError(f"not a session event: {ev!r}")  # the worker's own events go straight to emit

@@ -14,6 +14,7 @@ from p2pworker import api
 from p2pworker.control import LinkDown, LinkState, LinkUp, Received
 from p2pworker.errors import P2PError
 from p2pworker.session import CloseCause, Session, State
+from p2pworker.session.client import UNREACHABLE
 from p2pworker.worker.core import Core
 from p2pworker.worker.peers import PeerBook, addr_key
 from p2pworker.worker.ports import LaneDuties, Performs, Rerun
@@ -89,18 +90,18 @@ class SessionHost:
             # command opens a fresh link (the peer may have been fixed and restarted meanwhile).
             why = lk.reason if lk is not None else "link gone"
             self.forget_link(link, key, f"control link failed: {why}", f"control link failed: {why}")
-            return f"peer {address}: control link failed ({why})"
+            return f"{UNREACHABLE}{address}: control link failed ({why})"
         if lk.state is not LinkState.UP and link in self.peers.was_up:
             # Fail fast: a Fetch queued now would reach whatever process answers next on that address (a
             # restarted producer that never heard of the request) and wait out its fetch_timeout_s.
-            return f"peer {address}: control link {lk.state.value} ({lk.reason or 'reconnecting'})"
+            return f"{UNREACHABLE}{address}: control link {lk.state.value} ({lk.reason or 'reconnecting'})"
         return ""
 
     def _connect(self, address: str, key: str, cmd: Any) -> tuple[str | None, str]:
         now = self.core.clock()
         b = self.peers.blocked(key, now)
         if b is not None:
-            return None, f"peer {address}: {b.why}; retrying in {b.not_before - now:.1f} s"
+            return None, f"{UNREACHABLE}{address}: {b.why}; retrying in {b.not_before - now:.1f} s"
         target = self.resolver.resolve(key, cmd)
         if target is None:
             return None, PARKED
@@ -109,7 +110,7 @@ class SessionHost:
         except P2PError as e:
             log.warning("cannot connect to %s: %s", address, e)
             self.peers.backoff(key, f"unreachable: {e}", self.core.clock())
-            return None, f"peer {address} unreachable: {e}"
+            return None, f"{UNREACHABLE}{address}: {e}"
         self.peers.add(key, link)
         return link, ""
 
@@ -146,7 +147,9 @@ class SessionHost:
                 self.session_for(key, api.OpenSession(key))
 
     def new_session(self, link: str, peer: str | None) -> Session:
-        return Session(self.core.ctx, expected_peer_id=peer, link=link)
+        s = Session(self.core.ctx, expected_peer_id=peer, link=link)
+        s.address = self.peers.addr_of.get(link, "")  # ours to dial: the adapter learns it is reachable (PeerUp)
+        return s
 
     def pump(self, p, new_keys: list[bytes] | None = None) -> None:
         """The parking lot has news for the session serving ``p``'s lease (new stores, request finished)."""

@@ -215,5 +215,20 @@ def pull(reader: Engine, address: str, rid: str, kv: str | None = None) -> ReqCo
     return ctx
 
 
+def until_answered(reader: Engine, others: list[Engine], ctx: ReqContext, ids: list[int], timeout_s: float) -> list:
+    """Scheduler passes over ``ctx`` (``others`` stepping too) until its lookups are all HIT (pulled) or all MISS
+    (recompute); returns them."""
+    deadline = time.monotonic() + timeout_s
+    first = True
+    while True:
+        got = reader.lookup(ctx, ids)
+        if got in ([LookupResult.HIT] * len(ids), [LookupResult.MISS] * len(ids)):
+            return got
+        assert time.monotonic() < deadline, f"not answered within {timeout_s} s: {got}"
+        reader.step([ctx.req_id] if first else [])
+        first = False
+        run_until([reader, *others], lambda: reader.idle() and not reader.tier.lookups.pending, timeout_s=timeout_s)
+
+
 __all__ = ["Engine", "LookupResult", "ReqContext", "key", "payload", "payloads", "run_until", "ROW", "IDLE_ENGINE",
-           "idle_steps", "idle_until", "pull"]
+           "idle_steps", "idle_until", "pull", "until_answered"]

@@ -564,6 +564,18 @@ def test_a_one_trip_load_we_cancelled_or_whose_worker_went_does_not_blame_the_so
     assert hints.failing("h:1") is None and hints.path("h:1", key(1)) is PullPath.ONE_TRIP
 
 
+@pytest.mark.parametrize("why", [
+    "peer unreachable: h:1: control link down (connection closed: tcp://h:1: the peer's process exited or restarted)",
+    "peer unreachable: h:1: connection refused; retrying in 0.4 s",
+    "no handshake with the peer within 3 s",
+])
+def test_a_source_the_worker_has_no_usable_link_to_is_down(why):
+    """A source that died after it served (its link is down, redialling) is as down as one never reached: the worker
+    says so with UNREACHABLE, and those pulls recompute at once instead of promising in one trip (a row each) again."""
+    hints = SourceHints()
+    assert hints.failed("h:1", why) and hints.down("h:1")
+
+
 def test_an_unreachable_source_is_down_for_failed_s_then_asked_first_until_it_answers():
     """Down (MISS at once) for FAILED_S, then asked first: a lookup allocates nothing, so a source still dead then
     costs the puller's cache nothing either; its first answer brings back the one-trip path."""

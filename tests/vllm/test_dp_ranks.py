@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.helpers.ports import free_port_run
-from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, pull, run_until
+from tests.helpers.vllm_engines import Engine, LookupResult, pull, run_until, until_answered
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,21 +42,6 @@ def _engines(name: str, **kw) -> list[Engine]:
     return out
 
 
-def _until_answered(reader: Engine, others: list[Engine], ctx: ReqContext, ids: list[int],
-                    timeout_s: float) -> list:
-    """Scheduler passes over ``ctx`` until its lookups are all HIT (pulled) or all MISS (recompute)."""
-    deadline = time.monotonic() + timeout_s
-    first = True
-    while True:
-        got = reader.lookup(ctx, ids)
-        if got in ([LookupResult.HIT] * len(ids), [LookupResult.MISS] * len(ids)):
-            return got
-        assert time.monotonic() < deadline, f"not answered within {timeout_s} s: {got}"
-        reader.step([ctx.req_id] if first else [])
-        first = False
-        run_until([reader, *others], lambda: reader.idle() and not reader.tier.lookups.pending, timeout_s=timeout_s)
-
-
 def test_each_rank_pulls_and_serves_on_its_port_and_a_dead_source_is_refused_on_every_rank():
     # no tier-poll thread on the source: unstepped, its tiers supervise nothing, so a killed worker stays dead
     sources = _engines("dpsrc", engine_extra={"tier_poll_interval_s": 0})
@@ -73,7 +58,7 @@ def test_each_rank_pulls_and_serves_on_its_port_and_a_dead_source_is_refused_on_
         for r, reader in enumerate(pullers):
             ctx = pull(reader, addresses[r], f"dp-pull-{r}")
             t0 = time.monotonic()
-            got = _until_answered(reader, [sources[r]], ctx, ids_of[r], timeout_s=30)
+            got = until_answered(reader, [sources[r]], ctx, ids_of[r], timeout_s=30)
             took = time.monotonic() - t0
             assert got == [LookupResult.HIT] * 4, (r, got)
             c = reader.tier.counters()
@@ -94,7 +79,7 @@ def test_each_rank_pulls_and_serves_on_its_port_and_a_dead_source_is_refused_on_
         ctxs = [pull(reader, addresses[r], f"dp-dead-{r}") for r, reader in enumerate(pullers)]
         seen_at = []
         for r, reader in enumerate(pullers):  # the source engines take no step: their tiers restart nothing
-            got = _until_answered(reader, [], ctxs[r], dead_ids[r], timeout_s=10)
+            got = until_answered(reader, [], ctxs[r], dead_ids[r], timeout_s=10)
             seen_at.append(time.monotonic())
             assert got == [LookupResult.MISS] * 2, (r, got)
             assert reader.tier.counters()["pull_keys_landed"] == 4, "a dead source's keys landed"

@@ -9,11 +9,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 
-from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, pull, run_until
+from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, pull, run_until, until_answered
 
 
 def pair(free_port, pull_path: str = "one_trip"):
@@ -133,6 +135,56 @@ def test_a_dead_source_evicts_the_pullers_cache_once_and_then_nothing(small_one_
           f"the next 5: {max(times) * 1000:.1f} ms at most, nothing evicted")
     with reader.lock:
         reader.mgr.on_request_finished(first)
+
+
+RELINKED_S = 1.0 + 1.0  # the puller's link redials at most reconnect_max_s (1 s) apart; a handshake; slack
+
+
+def test_a_source_that_died_is_known_down_then_pulled_from_again_as_soon_as_the_puller_relinked(free_port):
+    """A source that served, then died (its worker SIGKILLed): its kernel closed the puller's link, so the next pull
+    fails at once and the source is known down (later pulls recompute at once: no row allocated, no load sent).  The source's tier restarts its worker on the same port; the puller's worker
+    links to it again on its own and says so (PeerUp names the address): the source is no longer known down, and the
+    next pull is served, not recomputed for FAILED_S (10 s) after the failure."""
+    owner = Engine("rsown", free_port(), num_chunks=16)
+    reader = Engine("rsrd", free_port(), num_chunks=8)
+    try:
+        address = owner.tier.worker_address
+        owner.store("own-1", [610, 611, 612, 613])
+        run_until([owner], owner.idle)
+        ctx = pull(reader, address, "rs-1")
+        assert until_answered(reader, [owner], ctx, [610, 611, 612, 613], timeout_s=30) == [LookupResult.HIT] * 4
+        reader.check_loaded(ctx, [610, 611, 612, 613])  # the chunks are the puller's now (its CPU tier: 8 rows)
+        old = owner.tier.supervisor.client.proc.pid
+        os.kill(old, signal.SIGKILL)
+        ctx = pull(reader, address, "rs-2")
+        t0 = time.monotonic()
+        assert until_answered(reader, [], ctx, [620, 621, 622, 623], timeout_s=10) == [LookupResult.MISS] * 4
+        failed_s = time.monotonic() - t0
+        with reader.lock:
+            reader.mgr.on_request_finished(ctx)
+        assert reader.tier.hints.down(address), "a source whose link its death closed is not known down"
+        loads = reader.tier.counters()["loads_failed"]
+        ctx = pull(reader, address, "rs-3")  # known down: MISS at once, no row allocated, no load sent
+        assert reader.lookup(ctx, [624, 625, 626, 627]) == [LookupResult.MISS] * 4
+        with reader.lock:
+            reader.mgr.on_request_finished(ctx)
+        assert reader.tier.counters()["loads_failed"] == loads
+        # the source's tier restarts its worker on its steps (and its tier-poll thread, 0.33+)
+        run_until([owner], lambda: owner.tier.supervisor.serving and owner.tier.supervisor.client.proc.pid != old)
+        back = time.monotonic()
+        run_until([reader], lambda: not reader.tier.hints.down(address), timeout_s=RELINKED_S + 1.0)
+        relinked_s = time.monotonic() - back
+        owner.store("own-4", [640, 641, 642, 643])
+        run_until([owner], owner.idle)
+        ctx = pull(reader, address, "rs-4")
+        assert until_answered(reader, [owner], ctx, [640, 641, 642, 643], timeout_s=30) == [LookupResult.HIT] * 4
+        reader.check_loaded(ctx, [640, 641, 642, 643])
+        assert relinked_s <= RELINKED_S, f"the puller knew the restarted source after {relinked_s:.2f} s"
+        print(f"dead source: the pull failed after {failed_s:.3f} s; restarted: known up again {relinked_s:.2f} s "
+              f"after its new worker served, and the next pull was served")
+    finally:
+        for e in (reader, owner):
+            e.close()
 
 
 LOOKUP_TIMEOUT_S = 2.0  # both workers' [session] lookup_timeout_s here (5 s by default)
