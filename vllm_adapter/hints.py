@@ -17,8 +17,8 @@ fetch) within ``FAILED_S``.  A failed one-trip load has made vLLM allocate a CPU
 other requests' ready chunks, before it failed; asking first allocates nothing, so while a source is failing its
 pulls cost the puller's cache nothing.  A source that could not be reached at all (``down``) is not even asked: its
 pulls recompute at once until FAILED_S has passed or our worker linked to it again (its PeerUp names the address: a
-restarted source is pulled from again as soon as the link redialled, at most ``reconnect_max_s`` apart); then they
-ask first until it answers.  A hint picks the path, never
+restarted source is asked again as soon as the link redialled, at most ``reconnect_max_s`` apart); then they ask
+first until it answers.  A hint picks the path, never
 an answer (but for ``down``: MISS, a recompute), so a stale hint costs time, not correctness.  Bounded
 (``HINT_MAX`` entries, oldest dropped first), per (source, key) and per source, fed by the loads' and the lookups'
 outcomes.
@@ -36,6 +36,7 @@ from p2pworker.api import PEER_DOWN, PEER_FAILED
 HINT_S = 10.0  # a key a source lacked is expected missing there this long
 HINT_MAX = 65_536  # (source, key) entries kept at most: ~10 MB at vLLM's 32-byte keys
 FAILED_S = 10.0  # a source that failed a pull is asked first this long (an answer from it ends that at once)
+RELINKED = "linked again after: "  # a down source our worker linked to again: asked first, no longer down
 
 
 class PullPath(enum.Enum):
@@ -95,6 +96,14 @@ class SourceHints:
         session closed): a request that would ask it first recomputes at once instead of waiting for it again."""
         why = self.failing(address)
         return why is not None and why.startswith(PEER_DOWN)
+
+    def relinked(self, address: str) -> None:
+        """Our worker linked to ``address`` again (PeerUp): reachable, so no longer ``down``; but a link says nothing
+        of serving (a source that crash-loops links and dies again), so its pulls ask first (nothing allocated) until
+        it answers.  Other failures (timed out, too busy) stand."""
+        entry = self._failing.get(address)
+        if entry is not None and entry[1].startswith(PEER_DOWN):
+            self._failing[address] = (entry[0], f"{RELINKED}{entry[1]}")
 
     def answered(self, address: str) -> None:
         """``address`` answered a lookup or brought a load: it serves again."""

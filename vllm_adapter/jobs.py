@@ -210,8 +210,8 @@ class JobBook:
     def end_parked_for_stop(self, engine: Any) -> None:
         """vLLM drains for shutdown: our open jobs keep it stepping until --shutdown-timeout, then it kills the engine
         and leaves the region file behind.  The worker ends the parked stores no consumer is reading (a lease holds
-        its rows until the consumer's Release or the lease's end: invariant 7), now and every STOP_RESET_S while
-        jobs are open; loads go on (their requests finish in the drain)."""
+        its rows until the consumer's Release, the lease's end or its process's exit: invariant 7), now and every
+        STOP_RESET_S while jobs are open; loads go on (their requests finish in the drain)."""
         now = self.clock()
         if self._stop_reset_at is not None and now < self._stop_reset_at:
             return

@@ -250,8 +250,8 @@ class P2PWorkerTier(SecondaryTierManager):
             return self.supervisor.on_error(ev)
         elif isinstance(ev, api.PeerDown):
             log.info("p2pworker peer %s down: %s", ev.peer_id, ev.reason)
-        elif isinstance(ev, api.PeerUp) and ev.address:  # a session to a source we named: it serves (again) now
-            self.hints.answered(ev.address)
+        elif isinstance(ev, api.PeerUp) and ev.address:  # a session to a source we named: reachable (again)
+            self.hints.relinked(ev.address)
         return False
 
     def _stopping(self) -> bool:

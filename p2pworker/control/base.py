@@ -42,7 +42,7 @@ class DownCause(enum.Enum):
     REFUSED = "connection refused"  # the TCP connect failed: nothing listens at the address (or no route there)
     HANDSHAKE_FAILED = "handshake failed (protocol)"  # TCP accepted, but what answers is not our transport
     HANDSHAKE_DROPPED = "connection closed during the handshake"  # a peer of our kind hung up before the welcome
-    CLOSED = "connection closed"  # an UP link's TCP connection ended: the peer's process exited (or a reset on the path)
+    CLOSED = "connection closed"  # an UP link's TCP connection ended: the peer's process exited (or a path reset)
     OTHER = "other"  # anything else: no answer, heartbeat lost, reset, bye, rejected (see the reason)
 
 

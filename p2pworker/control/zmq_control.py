@@ -339,7 +339,7 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
             self._close_sock(link)
             if retry:
                 link.state = LinkState.DOWN
-                self._retry_later(link)
+                self._retry_later(link, was_up)
             else:
                 link.state = LinkState.FAILED
             report = not link.reported_down
@@ -364,7 +364,7 @@ class ZmqControl(OutboundLinks, InboundLinks, ControlTransport):
         link.reported_down = False
         link.reason = ""
         link.cause = DownCause.OTHER
-        link.backoff_s = self.config.reconnect_min_s
+        link.up_at = self._clock()  # the backoff restarts only once it stayed up (_retry_later)
         link.last_recv = self._run.now(self._clock())  # the run clock (liveness.py)
         self._events.append(LinkUp(link.link_id, link.node_id, link.outbound, link.address))
         while link.queued and link.state is LinkState.UP:

@@ -1,6 +1,6 @@
 """Outbound control links (our DEALER per peer): dialing, the socket monitor that follows the TCP connection under a
-link (its dial, and its end once UP), the initiator's side of the handshake, and the deadline of a handshake that does not end.  A mixin of
-:class:`~p2pworker.control.zmq_control.ZmqControl` (its state lives there)."""
+link (its dial, and its end once UP), the initiator's side of the handshake, and the deadline of a handshake that
+does not end.  A mixin of :class:`~p2pworker.control.zmq_control.ZmqControl` (its state lives there)."""
 
 from __future__ import annotations
 
@@ -91,8 +91,12 @@ class OutboundLinks:
             link.sock.close(linger=0)
             link.sock = None
 
-    def _retry_later(self, link: Link) -> None:
-        """The next dial of a DOWN outbound link after its backoff, which doubles up to reconnect_max_s."""
+    def _retry_later(self, link: Link, was_up: bool = False) -> None:
+        """The next dial of a DOWN outbound link after its backoff, which doubles up to reconnect_max_s.  A link that
+        went down after it stayed UP for a deadline starts again from reconnect_min_s (its drop is news); one that
+        links and drops at once (a crash-looping peer) keeps doubling, never redialled every 0.1 s."""
+        if was_up and self._clock() - link.up_at >= self.config.deadline_s:
+            link.backoff_s = self.config.reconnect_min_s
         link.next_attempt = self._clock() + link.backoff_s
         link.backoff_s = min(link.backoff_s * 2, self.config.reconnect_max_s)
 

@@ -183,6 +183,7 @@ class Link:
     queued: deque = field(default_factory=deque)
     backoff_s: float = 0.0
     next_attempt: float = 0.0
+    up_at: float = 0.0  # wall clock: when it last came UP (a link that drops soon after keeps its backoff)
     incarnation: int = 0
     reported_down: bool = False
     reason: str = ""

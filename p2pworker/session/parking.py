@@ -7,11 +7,12 @@ then the fetch (PD's usual order), or the fetch first and stores later.
 A store job's rows belong to vLLM again the moment the job is reported, so a
 job is reported only when none of its rows can still be read by a consumer:
 
-- an offered row is *leased*: it stays parked until the consumer's Release or
-  the lease's end (``Lease.hold_until``), whichever comes first.  Nothing
-  else releases it: not the consumer's link going down, not its session
-  closing, not a protocol error (a consumer whose link died may still be
-  reading, and nothing in this process can stop a one-sided READ);
+- an offered row is *leased*: it stays parked until the consumer's Release,
+  the lease's end (``Lease.hold_until``), or the kernel saying the consumer's
+  process exited (``reader_gone``), whichever comes first.  Nothing else
+  releases it: not the consumer's link going down, not its session closing,
+  not a protocol error (a consumer whose link died may still be reading, and
+  nothing in this process can stop a one-sided READ);
 - success: when every key of the job was read by a consumer (its Release
   named it), or when the request is finished and served and the consumer
   did not ask for the rest, or when the consumer said it needs nothing more of
@@ -173,6 +174,8 @@ class Orphans:
 
     def add(self, p: Parcel, lease: Lease) -> None:
         """``lease``'s owner closed: it is the lease's reader from now on."""
+        if lease.owner is None:  # abandoned already: its reader is recorded
+            return
         lease.reader = lease.owner
         self._by.setdefault(lease.reader, {})[p] = lease
 
@@ -323,7 +326,7 @@ class ParkingLot:
         """End ``p``'s lease: ``read`` keys were read intact; other offered keys fail their jobs with ``reason``.
 
         Call only when no read of the offered rows can still count: the
-        consumer said so (Release), or the lease ran out.
+        consumer said so (Release), the lease ran out, or its process exited.
         """
         lease = p.lease
         if lease is None:

@@ -66,7 +66,8 @@ class PeerExits:
         poll = select.poll()
         for fd in self.watched.values():
             poll.register(fd, select.POLLIN)
-        exited = {fd for fd, _ in poll.poll(0)}  # a pidfd is readable once its process exited
+        # a pidfd is readable (POLLIN) once its process exited; nothing else here says so
+        exited = {fd for fd, ev in poll.poll(0) if ev & select.POLLIN}
         ended = 0
         for s, fd in list(self.watched.items()):
             if fd in exited and lot is not None:

@@ -28,7 +28,7 @@ def poll_timeout_s(cfg: WorkerConfig, *, busy: bool, now: float, next_tick: floa
     A lease with nothing offered yet (a Fetch before the stores) costs nothing: nobody reads before an offer.
 
     Invariant 7: this sets only how long the loop sleeps.  It writes no row and releases none: offered rows stay
-    pinned until the consumer's Release or the lease's end (ParkingLot.release), however often we poll; our own
+    pinned until the consumer's Release, the lease's end or its exit (ParkingLot), however often we poll; our own
     rows are written only by our reads, reported after they settle."""
     if busy:
         return cfg.busy_poll_s

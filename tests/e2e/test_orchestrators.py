@@ -120,7 +120,7 @@ def test_pull_from_a_busy_source_is_served(pd):
     pd.report["busy_source_pull_s"] = round(took, 3)
 
 
-LOOKUP_TIMEOUT_S = 5.0  # the engines' lookup_timeout_s (configs/vllm-cpu-*.json): how long a source's engine is waited for
+LOOKUP_TIMEOUT_S = 5.0  # the engines' lookup_timeout_s (configs/vllm-cpu-*.json): a source's engine is waited this long
 
 
 def test_an_unresponsive_source_makes_the_pull_recompute_within_its_lookup_timeout(pd):
@@ -144,7 +144,8 @@ def test_an_unresponsive_source_makes_the_pull_recompute_within_its_lookup_timeo
     assert_same(got, want, "pulled from an unresponsive source")
     assert pulled == 0
     pd.report["unresponsive_source_pull_s"] = {"pull": round(took, 3), "recompute_same_length": round(recompute_s, 3)}
-    assert took <= LOOKUP_TIMEOUT_S + recompute_s + 1.0, \
+    # it waited on the source (not a stale hint's MISS), and not past the source's own bound
+    assert 0.8 * LOOKUP_TIMEOUT_S <= took <= LOOKUP_TIMEOUT_S + recompute_s + 1.0, \
         f"a pull from an unresponsive source took {took:.2f} s (recompute {recompute_s:.2f} s)"
     text = prompt(n, seed=6182)
     want = baseline(pd, text)

@@ -648,3 +648,33 @@ def test_a_stalled_dialer_blames_nobody_and_its_link_comes_back(pair):
     a.send(link, b"after")
     ev = pump({"a": a, "b": b}, lambda e: of(e, "b", Received))
     assert of(ev, "b", Received)[0].payload == b"after"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_links_and_drops_at_once_is_redialled_at_a_growing_backoff_and_a_stable_one_from_the_start():
+    """A crash-looping peer (it completes the handshake, then its process goes away) must not be redialled every
+    reconnect_min_s: a link that drops within a deadline of coming UP keeps doubling its backoff (to reconnect_max_s);
+    one that stayed UP for a deadline starts again from reconnect_min_s (its drop is news)."""
+    port = free_port()
+    a = ZmqControl(cfg(reconnect_min_s=0.05, reconnect_max_s=0.4), node_id="A")  # deadline 0.6 s (0.2 s x 3)
+    b = None
+    try:
+        backoffs = []
+        link = None
+        for hold_s in (0.0, 0.0, 0.0, 0.0, 1.0):
+            b = ZmqControl(cfg(port=port), node_id="B")
+            if link is None:
+                link = a.connect(b.address)
+            pump({"a": a, "b": b}, lambda e: of(e, "a", LinkUp), timeout_s=10)
+            if hold_s:
+                drain_for({"a": a, "b": b}, hold_s)  # up for longer than the deadline
+            b.close()
+            b = None
+            pump({"a": a}, lambda e: of(e, "a", LinkDown))
+            backoffs.append(a.link(link).backoff_s)  # the delay after the next failure
+        assert backoffs[:4] == [0.1, 0.2, 0.4, 0.4], backoffs  # doubling, capped: not 0.05 s after every drop
+        assert backoffs[4] == 0.1, backoffs  # it stayed up: redialled at reconnect_min_s (then doubling)
+    finally:
+        if b is not None:
+            b.close()
+        a.close()

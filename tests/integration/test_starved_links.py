@@ -258,5 +258,5 @@ def test_a_killed_peer_is_declared_lost_at_once(pair):
     assert not cons.collect({lj}, timeout_s=0.5)[lj].success
     assert prod.client.proc.wait(5) == -signal.SIGKILL
     assert cons.control()["heartbeat_lost"] == 0  # the close told it, not the silence
-    print(f"\nproducer SIGKILLed: the consumer declared it lost after {took:.3f} s (bound {CLOSED_S:g} s; the heartbeat "
-          f"deadline {DEADLINE_S + TICK_S:g} s)")
+    print(f"\nproducer SIGKILLed: the consumer declared it lost after {took:.3f} s (bound {CLOSED_S:g} s; the "
+          f"heartbeat deadline {DEADLINE_S + TICK_S:g} s)")

@@ -557,7 +557,8 @@ def _status_worker(phase=WorkerPhase.RUNNING, attached=False):
     if attached:
         att = Attachment(
             region=types.SimpleNamespace(num_blocks=8, block_bytes=BLOCK), ctl=_Ctl(None), data=_StatusData(),
-            ctx=types.SimpleNamespace(lot=types.SimpleNamespace(parcels={"r1": None, "r2": None}, leases=1, offering=1)),
+            ctx=types.SimpleNamespace(lot=types.SimpleNamespace(parcels={"r1": None, "r2": None}, leases=1,
+                                                                offering=1)),
             fingerprint=Fingerprint.build(block_bytes=BLOCK, protocol_version=PROTOCOL_VERSION),
             copy_threads=4)
     ring = types.SimpleNamespace(depth=lambda: 1)

@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from p2pworker import api
 from p2pworker.errors import MessageTooLarge, P2PError
+from p2pworker.session.client import UNREACHABLE
 from vllm_adapter.finished import RECENT_FINISHED_MAX, RECENT_FINISHED_S, REPLAY_IN_RING_MAX, FinishedReplay
 from vllm_adapter.hints import FAILED_S, PullPath, SourceHints
 from vllm_adapter.jobs import STOP_RESET_S, JobBook, JobKind, LoadState, load_state
@@ -565,15 +566,27 @@ def test_a_one_trip_load_we_cancelled_or_whose_worker_went_does_not_blame_the_so
 
 
 @pytest.mark.parametrize("why", [
-    "peer unreachable: h:1: control link down (connection closed: tcp://h:1: the peer's process exited or restarted)",
-    "peer unreachable: h:1: connection refused; retrying in 0.4 s",
+    f"{UNREACHABLE}h:1: control link down (connection closed: tcp://h:1: the peer's process exited or restarted)",
+    f"{UNREACHABLE}h:1: connection refused; retrying in 0.4 s",
     "no handshake with the peer within 3 s",
 ])
-def test_a_source_the_worker_has_no_usable_link_to_is_down(why):
+def test_a_source_the_worker_has_no_usable_link_to_is_down_until_relinked_then_asked_first(why):
     """A source that died after it served (its link is down, redialling) is as down as one never reached: the worker
-    says so with UNREACHABLE, and those pulls recompute at once instead of promising in one trip (a row each) again."""
+    says so with UNREACHABLE, and those pulls recompute at once instead of promising in one trip (a row each) again.
+    Linked again (PeerUp): no longer down, but asked first (a link is not an answer) until it answers."""
     hints = SourceHints()
     assert hints.failed("h:1", why) and hints.down("h:1")
+    hints.relinked("h:1")
+    assert not hints.down("h:1") and hints.path("h:1", key(1)) is PullPath.ASK_FIRST
+    hints.answered("h:1")
+    assert hints.path("h:1", key(1)) is PullPath.ONE_TRIP
+
+
+def test_a_relink_does_not_clear_a_source_that_failed_while_reachable():
+    hints = SourceHints()
+    assert hints.failed("h:1", "fetch timed out on the producer") and not hints.down("h:1")
+    hints.relinked("h:1")
+    assert hints.failing("h:1") == "fetch timed out on the producer"
 
 
 def test_an_unreachable_source_is_down_for_failed_s_then_asked_first_until_it_answers():
