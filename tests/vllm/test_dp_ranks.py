@@ -1,7 +1,7 @@
 """An engine with two data-parallel ranks, each rank a real TieringOffloadingManager built with its own rank's
 parallel config (as vLLM builds each DP rank's engine core), so each rank's tier spawns its own worker on the
-control port base + rank.  (vLLM's CPU backend was not run with --data-parallel-size 2 here: each DP rank is an
-engine core of its own, and what our tier sees of it is this.)
+control port base + rank.  (Each DP rank is an engine core of its own, and what our tier sees of it is this; a real
+`vllm serve --data-parallel-size 2` on vLLM's CPU backend runs in tests/e2e/test_dp_engine.py.)
 
 - Each puller rank pulls from the source rank of its index, on port + rank; the puller's second rank
   takes its first step with that pull (it never stepped before) and is served within the idle-source bound (1 s).
