@@ -28,7 +28,7 @@ import vllm
 
 from benchmarks.engines import log_errors
 from p2pworker.admin import query
-from tests.helpers.e2e import MAX_MODEL_LEN, assert_same, baseline, expected_p2p_tokens, http_json
+from tests.helpers.e2e import MAX_MODEL_LEN, assert_same, baseline, expected_p2p_tokens, http_json, worker_pids_of
 from tests.helpers.ports import free_port, free_port_run
 from tests.helpers.tiny_model import prompt
 
@@ -48,15 +48,7 @@ STOP_S = 10 + 20  # --shutdown-timeout, and slack for a 2-core host
 def _left(engine_id: str) -> list[str]:
     """What the DP engine left behind: its workers, region files, admin sockets."""
     left = glob.glob(f"/dev/shm/*{engine_id}*") + glob.glob(f"/tmp/p2pworker-vllm-{engine_id}*.admin")
-    for d in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(d, "rb") as f:
-                cmd = f.read().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"p2pworker.cli launch" in cmd and engine_id.encode() in cmd:
-            left.append(f"pid {d.split('/')[2]} (p2pworker)")
-    return left
+    return left + [f"pid {pid} (p2pworker)" for pid in worker_pids_of(engine_id)]
 
 
 def test_a_dp2_engine_serves_each_ranks_prompts_on_port_plus_rank(pd, tiny_model, tmp_path):

@@ -129,17 +129,7 @@ class PD:
 
     def worker_pids(self, role: str) -> list[int]:
         """The p2pworker process(es) the given engine's tier spawned."""
-        tag = f"--name vllm-{self.engine_id(role)}".encode()
-        pids = []
-        for d in glob.glob("/proc/[0-9]*/cmdline"):
-            try:
-                with open(d, "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if b"p2pworker.cli launch" in cmd and tag in cmd:
-                pids.append(int(d.split("/")[2]))
-        return pids
+        return worker_pids_of(self.engine_id(role))
 
     def log_path(self, role: str) -> str:
         return os.path.join(self.role_dirs.get(role, self.run_dir), f"{role}.log")
@@ -217,6 +207,21 @@ def first_request_over_p2p(pair: PD) -> float:
     pair.report.setdefault("first_request_p2p_tokens", []).append(got)
     assert got > 0, "the first request after pd.sh start was recomputed: the router did not route it over P2P"
     return got
+
+
+def worker_pids_of(engine_id: str) -> list[int]:
+    """The p2pworker processes an engine's tiers spawned (every DP rank's: ``vllm-<engine_id>`` starts their names)."""
+    tag = f"--name vllm-{engine_id}".encode()
+    pids = []
+    for d in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(d, "rb") as f:
+                cmd = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"p2pworker.cli launch" in cmd and tag in cmd:
+            pids.append(int(d.split("/")[2]))
+    return pids
 
 
 def baseline(pd, text: str, timeout_s: float = 120.0):
