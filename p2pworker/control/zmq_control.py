@@ -24,8 +24,8 @@ sends as DATA).
 Link states (outbound)::
 
     CONNECTING --CHALLENGE ok--> AUTHING --WELCOME--> UP
-        |  deadline, refused,       | deadline,         | silent > interval x liveness, RESET, BYE
-        |  ZMTP failed / dropped    | ZMTP dropped      |
+        |  deadline, refused,       | deadline,         | silent > interval x liveness, RESET, BYE,
+        |  ZMTP failed / dropped    | ZMTP dropped      | its TCP connection closed (CLOSED)
         v                           v                   v
        DOWN (reconnect after bounded exponential backoff, new DEALER, new routing id)
     any --REJECT / bad server proof--> FAILED (permanent until disconnect)

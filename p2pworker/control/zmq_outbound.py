@@ -141,7 +141,7 @@ class OutboundLinks:
                     self._dial_failed(link, move, detail)
                 elif link.state is LinkState.UP and move is DownCause.CLOSED:
                     # Not a failed dial: counted, logged at INFO with the other downs, redialled after the link's
-                    # backoff (reconnect_min_s: _up reset it), so a restarted peer is found as soon as it listens.
+                    # backoff (reconnect_min_s once it stayed up: _retry_later), so a restarted peer is found soon.
                     self.counters[CAUSE_COUNTERS[move]] += 1
                     self._down(link, f"{move.value}: {link.address}: {_CAUSE_DETAIL[move]}", retry=True, cause=move)
 
