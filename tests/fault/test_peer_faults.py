@@ -245,7 +245,9 @@ def test_a_partitioned_control_link_ends_a_lane_session_within_the_heartbeat_dea
 def test_a_lane_session_ends_with_the_peers_own_reason(nodes, figures):
     """Same host, the session on its lane.  A producer that shuts down says why: its Bye goes on the lane before the
     lane closes, and the consumer reads it first (the PeerDown it reports carries that reason, not "peer lost").  A
-    producer SIGKILLed mid-load is seen from its lane's close: the load fails naming the lane, nothing hangs."""
+    producer SIGKILLed mid-load is seen from the kernel closing its connections, the lane's or the control link's,
+    whichever the loop reads first (both end within milliseconds of each other): the load fails naming that close, not
+    the heartbeat's silence, and nothing hangs."""
     a, d = nodes("pa"), nodes("cd", seed=2)
     jobs = Jobs()
     assert pd(a, d, jobs, "warm")[0].success
@@ -269,10 +271,12 @@ def test_a_lane_session_ends_with_the_peers_own_reason(nodes, figures):
     b.kill()
     got = jobs.collect(d, {lj}, timeout_s=DEADLINE_S + SLACK_S + 5)[lj]
     took = time.monotonic() - t0
-    assert not got.success and "same-host lane" in got.reason, got
+    assert not got.success and "peer lost" in got.reason, got
+    assert "same-host lane" in got.reason or "connection closed" in got.reason, got.reason
+    assert "heartbeat" not in got.reason, got.reason
     assert pd(nodes("pc", seed=3), d, jobs, "after")[0].success  # the consumer's worker serves on
     figure(figures, "peer SIGKILL with a lane: its load reported failed", f"{took:.2f} s",
-           f"≤ {DEADLINE_S:g} s + slack (the lane's close, not the heartbeat)")
+           f"≤ {DEADLINE_S:g} s + slack (the lane's or the link's close, not the heartbeat)")
 
 
 def test_fingerprint_and_block_size_mismatch_name_both_values(nodes, figures):
