@@ -74,6 +74,8 @@ class _WorkerState:
             ("p2pworker_sessions", "Sessions (one per control link)", len(w.sessions)),
             ("p2pworker_command_ring_depth", "Commands waiting", w.cmd.depth()),
             ("p2pworker_event_ring_depth", "Events waiting", w.evt.depth()),
+            ("p2pworker_links_down", "Outbound control links down, redialled until linked again or dropped",
+             len(w.host.peers.down_since)),
         ):
             g = GaugeMetricFamily(name, doc, labels=LABELS)
             g.add_metric(ident, value)
@@ -83,6 +85,8 @@ class _WorkerState:
             ("p2pworker_protocol_errors", "Sessions closed on a protocol error", "protocol_errors"),
             ("p2pworker_peers_unreachable", "Dials that never came up (refused, not a p2pworker, silent)",
              "peers_unreachable"),
+            ("p2pworker_links_dropped_down", "Outbound links no longer redialled: down for [control] forget_down_s",
+             "links_dropped_down"),
         ):
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(ident, w.counters[key])

@@ -25,6 +25,9 @@ class ControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     # a DOWN link is redialled at most this far apart: a restarted peer is found within it of listening again, and
     # a dial nothing accepts costs one SYN and its reset
     reconnect_max_s: Pos = 1.0
+    # an outbound link down this long after it was up, to an address the adapter did not ask to keep, is dropped:
+    # a source gone for good (a scaled-down pod) is not redialled for ever; the next pull naming it dials afresh
+    forget_down_s: Pos = 60.0
     secret: str | None = None  # None: $P2PWORKER_SECRET (code may also pass bytes)
     auth: bool = True  # False only on purpose: logs a warning
     hwm: PosInt = 1000  # per-socket queue bound, messages

@@ -1,11 +1,11 @@
 """The worker's book of outbound peers: which control link serves an address, which links came up once, and the
 backoff of addresses that failed.
 
-    address key --add--> link --(LinkUp)--> was_up          forget(link): the one way a link leaves the book
-                  \\                                           (transport gave up, never came up, closed by the
-                   backoff(key): no new link before            adapter, session closed on a live link)
-                   Backoff.not_before (doubling per failure,
-                   forgotten RETRY_FORGET_S after it ends)
+    address key --add--> link --(LinkUp)--> was_up --(LinkDown)--> down_since[link] --(LinkUp)--> out of it
+    forget(link): the one way a link leaves the book (the transport gave up, it never came up, the adapter closed
+        it, its session closed on a live link, or it stayed in down_since for [control] forget_down_s and its
+        address is not kept)
+    backoff(key): no new link before Backoff.not_before (doubling per failure, forgotten RETRY_FORGET_S after it ends)
 
 No I/O: the worker disconnects the link and closes its session; this only keeps the records, so each is written in
 one place.
@@ -43,6 +43,8 @@ class PeerBook:
     retry: dict[str, Backoff] = field(default_factory=dict)
     kept: set[str] = field(default_factory=set)  # addresses the adapter asked to keep connected (the tier's peers)
     unreachable_logged: set[str] = field(default_factory=set)
+    # outbound links down after they were up (the transport redials them), by when they went down: oldest first
+    down_since: dict[str, float] = field(default_factory=dict)
 
     def add(self, key: str, link: str) -> None:
         self.links[key] = link
@@ -54,7 +56,27 @@ class PeerBook:
         if key is not None and self.links.get(key) == link:
             del self.links[key]
         self.was_up.discard(link)
+        self.down_since.pop(link, None)
         return key
+
+    def went_down(self, link: str, now: float) -> None:
+        """Outbound ``link``, once up, went down (its first LinkDown since it was up counts)."""
+        self.down_since.setdefault(link, now)
+
+    def came_up(self, link: str) -> None:
+        self.down_since.pop(link, None)
+
+    def long_down(self, now: float, after_s: float) -> list[tuple[str, str]]:
+        """(link, address key) of the links down for ``after_s`` or longer whose address is not kept: to drop.
+        Oldest first, and the scan stops at the first link down for less (a tick costs O(links to drop + kept))."""
+        out = []
+        for link, since in self.down_since.items():
+            if now - since < after_s:
+                break
+            key = self.addr_of.get(link)
+            if key is not None and key not in self.kept:
+                out.append((link, key))
+        return out
 
     def backoff(self, key: str, why: str, now: float) -> Backoff:
         """No new link to ``key`` before a delay that doubles per failure (up to RECONNECT_MAX_S), starting afresh

@@ -162,6 +162,26 @@ class SessionHost:
             self.run(link, s, s.tick())
         for s in list(self.settling):
             self.run(None, s, s.tick())  # a session whose reads will not settle returns an Abort (actions.py)
+        self._drop_long_down()
+
+    def _drop_long_down(self) -> None:
+        """Stop redialling outbound links down for [control] forget_down_s to addresses the adapter did not ask to
+        keep: a source gone for good (a scaled-down pod, a new address after a restart) would otherwise cost a dial
+        a second for as long as this worker runs.  A later pull naming the address dials it afresh."""
+        ctl, after_s = self.core.ctl, self.core.cfg.control.forget_down_s
+        for link, key in self.peers.long_down(self.core.clock(), after_s):
+            lk = ctl.link(link)
+            if lk is not None and lk.state is LinkState.UP:
+                continue  # linked again; its LinkUp, read next turn, takes it out of down_since
+            self.core.counters["links_dropped_down"] += 1
+            log.info("control link to %s down for over %g s: no longer redialled (a later pull dials afresh)", key,
+                     after_s)
+            self.peers.forget(link)
+            ctl.disconnect(link)
+            s = self.sessions.get(link)
+            if s is not None:  # none expected: a session on it closed when it went down
+                self.run(None, s, s.close(f"control link down for over {after_s:g} s"))
+                self.retire(s)
 
     # ------------------------------------------------------------ retiring
     def retire(self, s: Session) -> None:
@@ -233,6 +253,7 @@ class SessionHost:
         s.expected_peer_id = ev.node_id
         if ev.outbound:
             self.peers.was_up.add(ev.link)
+            self.peers.came_up(ev.link)
             self.run(ev.link, s, s.start())
         # An inbound reconnect replaces its old link inside the control transport without a LinkDown:
         # retire sessions whose link is gone.
@@ -247,6 +268,8 @@ class SessionHost:
         if key is not None and ev.link not in self.peers.was_up:
             self.unreachable(ev.link, key, ev.reason)
             return
+        if key is not None:  # ours, once up: the transport redials it (until _drop_long_down gives up on it)
+            self.peers.went_down(ev.link, self.core.clock())
         s = self.sessions.get(ev.link)
         if s is not None:
             # A peer that shuts down sends its Bye on the session's lane, then closes both; this turn may see the

@@ -10,7 +10,8 @@ The bounds, with the default liveness (heartbeat 1 s x 3 = the deadline, 3 s; ti
 - a worker that ran through its peer's stop hears nothing for real, and it cannot tell a stopped peer from a cut
   wire: it declares the link lost within DEADLINE_S + TICK_S of the peer's last frame, the loads on it fail then;
   after the SIGCONT the link is up again within LINK_BACK_S and loads succeed;
-- a SIGKILLed peer is declared lost at once (its kernel closed the connection): within CLOSED_S, not the deadline.
+- a SIGKILLed peer is declared lost at once (its kernel closed the connection): within CLOSED_S, not the deadline;
+  one that never comes back is redialled for ``[control] forget_down_s``, then no more.
 
 Each bound gets SLACK_S for a loaded 2-core host.  Both workers log to files under the test's tmp_path; regions are
 the test's own (conftest checks /dev/shm), admin sockets live in tmp_path, ports are the workers' own (port 0).
@@ -18,6 +19,7 @@ the test's own (conftest checks /dev/shm), admin sockets live in tmp_path, ports
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -45,14 +47,17 @@ LOST_LINE = re.compile(r"control link \S+ \(.*\) down: heartbeat lost")
 class Node:
     """One worker, its region (seeded bytes), its admin socket and its log file."""
 
-    def __init__(self, name: str, prefix: str, tmp_path, seed: int):
+    def __init__(self, name: str, prefix: str, tmp_path, seed: int, settings: dict | None = None):
         self.name = name
         self.admin = str(tmp_path / f"{name}.admin")
         self.log_path = tmp_path / f"{name}.log"
         self.region = KVRegion.create(f"{prefix}{name}", BLOCKS, BLOCK_BYTES)
         self.region.array()[:] = np.random.default_rng(seed).integers(0, 256, (BLOCKS, BLOCK_BYTES), dtype=np.uint8)
         self._log = open(self.log_path, "wb")
-        self.client = WorkerClient(name, args=["--port", "0", "--admin", self.admin], env=ENV, stderr=self._log)
+        args = ["--port", "0", "--admin", self.admin]
+        if settings is not None:
+            args += ["--settings-json", json.dumps(settings)]
+        self.client = WorkerClient(name, args=args, env=ENV, stderr=self._log)
         self.client.attach(self.region.handle, {"model": "starved-links"})
         self.reported: dict[int, api.JobFinished] = {}
         self.stopped = False
@@ -72,6 +77,9 @@ class Node:
     def control(self) -> dict:
         """The control transport's counters (``p2pworker inspect``): only ask a worker that runs."""
         return query(self.admin)["control"]
+
+    def status(self) -> dict:
+        return query(self.admin)
 
     def log(self) -> str:
         self._log.flush()
@@ -139,12 +147,18 @@ def rows_for(req: str, n: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.fixture
-def pair(shm_prefix, tmp_path):
+def consumer_settings() -> dict | None:
+    """The consumer's --settings-json (a test overrides this fixture to change it)."""
+    return None
+
+
+@pytest.fixture
+def pair(shm_prefix, tmp_path, consumer_settings):
     """(producer, consumer): the consumer dials the producer with its first load.  Both must exit 0 unless killed."""
     nodes: list[Node] = []
     try:
         nodes.append(Node("prod", shm_prefix, tmp_path, seed=1))
-        nodes.append(Node("cons", shm_prefix, tmp_path, seed=2))
+        nodes.append(Node("cons", shm_prefix, tmp_path, seed=2, settings=consumer_settings))
         yield nodes[0], nodes[1]
     finally:
         codes = {n.name: n.close() for n in nodes}
@@ -260,3 +274,44 @@ def test_a_killed_peer_is_declared_lost_at_once(pair):
     assert cons.control()["heartbeat_lost"] == 0  # the close told it, not the silence
     print(f"\nproducer SIGKILLed: the consumer declared it lost after {took:.3f} s (bound {CLOSED_S:g} s; the "
           f"heartbeat deadline {DEADLINE_S + TICK_S:g} s)")
+
+
+FORGET_S = 2.0  # the consumer's [control] forget_down_s in the next test (default 60 s)
+REDIAL_S = 1.0  # [control] reconnect_max_s: a DOWN link is redialled at most this far apart
+
+
+@pytest.mark.parametrize("consumer_settings", [{"control": {"forget_down_s": FORGET_S}}])
+def test_a_peer_gone_for_good_is_redialled_for_forget_down_s_then_no_more(pair):
+    """A source that never comes back (SIGKILLed; a scaled-down pod): the consumer redials its address, a refused
+    dial at most reconnect_max_s apart, for [control] forget_down_s after the link went down, then drops the link
+    (counted, ``links_down`` back to 0) and dials it no more.  A later pull naming the address dials it afresh and
+    fails at once."""
+    prod, cons = pair
+    jobs = Jobs()
+    assert jobs.pd(prod, cons, "warm").success
+    t0 = time.monotonic()  # before the kill: the link went down after it, so it may not be dropped before t0 + FORGET_S
+    prod.signal(signal.SIGKILL)
+    assert prod.client.proc.wait(5) == -signal.SIGKILL
+    wait_for("the consumer declares the killed producer lost", lambda: cons.control()["connection_closed"] == 1,
+             timeout_s=CLOSED_S + SLACK_S, every_s=0.01)
+    assert cons.status()["links_down"] == 1
+    took = wait_for("the link is dropped", lambda: cons.status()["counters"].get("links_dropped_down", 0) == 1,
+                    timeout_s=FORGET_S + TICK_S + SLACK_S, every_s=0.05)
+    dropped_after = time.monotonic() - t0
+    st = cons.status()
+    assert st["links_down"] == 0 and st["sessions"] == [], st["sessions"]
+    refused = cons.control()["connect_refused"]
+    assert refused >= 1, "the link was not redialled while it was down"
+    assert dropped_after >= FORGET_S, f"dropped {dropped_after:.2f} s after the kill (window {FORGET_S:g} s)"
+    time.sleep(2 * REDIAL_S + 0.5)
+    assert cons.control()["connect_refused"] == refused, "a dropped link was redialled"
+
+    keys = keys_for("after", 4)
+    t1 = time.monotonic()
+    lj = jobs.load(cons, prod, "after", keys, rows_for("after", 4)[1])
+    got = cons.collect({lj}, timeout_s=CLOSED_S + SLACK_S)[lj]
+    assert not got.success and "unreachable" in got.reason, got.reason
+    assert cons.control()["connect_refused"] == refused + 1, "a later pull did not dial afresh (or dialled again)"
+    print(f"\npeer gone for good: {refused} refused redial(s), then dropped {dropped_after:.2f} s after the kill "
+          f"(forget_down_s {FORGET_S:g} s; {took:.2f} s after it was declared lost); a later pull failed after "
+          f"{time.monotonic() - t1:.3f} s")

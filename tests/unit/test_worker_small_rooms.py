@@ -567,7 +567,8 @@ def _status_worker(phase=WorkerPhase.RUNNING, attached=False):
         cfg=WorkerConfig(name="st"), att=att, data=att.data if att else None, clock=Clock(110.5), started=100.0,
         phase=phase, stopping=phase is WorkerPhase.STOPPING, reporter=reporter, cmd=ring, evt=ring,
         counters=collections.Counter(loops=12),
-        host=types.SimpleNamespace(sessions={}, peers=types.SimpleNamespace(kept={"b:2", "a:1"})),
+        host=types.SimpleNamespace(sessions={}, peers=types.SimpleNamespace(kept={"b:2", "a:1"},
+                                                                        down_since={"out-3": 1.0})),
         lanes=types.SimpleNamespace(switch=types.SimpleNamespace(
             state_of=lambda link, s: lanes.get(link, "control link"))))
 
@@ -586,7 +587,7 @@ def test_an_unattached_worker_reports_no_region_no_data_plane_and_is_waiting(mon
     assert (st["copy_threads"], st["transfers_in_flight"], st["bytes_read"], st["parked_requests"]) == (0, 0, 0, 0)
     assert st["transfers"] == {} and st["control"] == {} and st["sessions"] == []
     assert st["uptime_s"] == 10.5 and st["jobs_in_flight"] == 1 and st["ring_depth"] == {"cmd": 1, "evt": 1}
-    assert st["kept_peers"] == ["a:1", "b:2"] and st["glibc_tunables"] == "glibc.x=1"
+    assert st["kept_peers"] == ["a:1", "b:2"] and st["links_down"] == 1 and st["glibc_tunables"] == "glibc.x=1"
     w.counters["loops"] += 1
     assert st["counters"] == {"loops": 12}  # a copy, taken when asked
 
