@@ -22,8 +22,8 @@ class ControlConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval_s: Pos = 1.0
     heartbeat_liveness: PosInt = 3
     reconnect_min_s: Pos = 0.1
-    # a DOWN link is redialled at most this far apart: a restarted peer is found within it of listening again, and
-    # a dial nothing accepts costs one SYN and its reset
+    # a DOWN link is redialled at most this far apart: a restarted peer is found within it of listening again (while
+    # the worker keeps redialling: forget_down_s), and a dial nothing accepts costs one SYN and its reset
     reconnect_max_s: Pos = 1.0
     # an outbound link down this long after it was up, to an address the adapter did not ask to keep, is dropped:
     # a source gone for good (a scaled-down pod) is not redialled for ever; the next pull naming it dials afresh

@@ -4,7 +4,7 @@ backoff of addresses that failed.
     address key --add--> link --(LinkUp)--> was_up --(LinkDown)--> down_since[link] --(LinkUp)--> out of it
     forget(link): the one way a link leaves the book (the transport gave up, it never came up, the adapter closed
         it, its session closed on a live link, or it stayed in down_since for [control] forget_down_s and its
-        address is not kept)
+        address is not kept: then the address goes to ``gone`` until a link to it comes up again)
     backoff(key): no new link before Backoff.not_before (doubling per failure, forgotten RETRY_FORGET_S after it ends)
 
 No I/O: the worker disconnects the link and closes its session; this only keeps the records, so each is written in
@@ -13,12 +13,14 @@ one place.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 RECONNECT_MIN_S = 0.2  # after a session closed on a live outbound link: first retry delay, doubled per failure
 RECONNECT_MAX_S = 5.0
 RETRY_FORGET_S = 60.0  # an address that has not failed for this long after its backoff starts afresh
 UNREACHABLE_LOGGED_MAX = 1024  # addresses whose first failure was logged (then the set starts afresh)
+GONE_MAX = 4096  # addresses whose link was dropped, remembered (oldest forgotten: a pull to one waits its handshake)
 
 
 def addr_key(address: str) -> str:
@@ -45,6 +47,10 @@ class PeerBook:
     unreachable_logged: set[str] = field(default_factory=set)
     # outbound links down after they were up (the transport redials them), by when they went down: oldest first
     down_since: dict[str, float] = field(default_factory=dict)
+    # addresses whose link was dropped after forget_down_s down: a command for one fails at once (as on the link that
+    # was redialled) and dials it afresh; out once a link to it comes up
+    gone: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    gone_max: int = GONE_MAX
 
     def add(self, key: str, link: str) -> None:
         self.links[key] = link
@@ -65,6 +71,16 @@ class PeerBook:
 
     def came_up(self, link: str) -> None:
         self.down_since.pop(link, None)
+        key = self.addr_of.get(link)
+        if key is not None:
+            self.gone.pop(key, None)
+
+    def dropped(self, key: str) -> None:
+        """The link to ``key`` was dropped after forget_down_s down (forget it first)."""
+        self.gone[key] = None
+        self.gone.move_to_end(key)
+        while len(self.gone) > self.gone_max:
+            self.gone.popitem(last=False)
 
     def long_down(self, now: float, after_s: float) -> list[tuple[str, str]]:
         """(link, address key) of the links down for ``after_s`` or longer whose address is not kept: to drop.

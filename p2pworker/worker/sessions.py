@@ -69,6 +69,8 @@ class SessionHost:
             return None, "worker has no region attached yet"
         key = addr_key(address)
         link = self.peers.links.get(key)
+        if key in self.peers.gone:
+            return None, self._redial_gone(address, key, link, cmd)
         if link is not None:
             why = self._unusable(address, key, link)
             if why:
@@ -96,6 +98,18 @@ class SessionHost:
             # restarted producer that never heard of the request) and wait out its fetch_timeout_s.
             return f"{UNREACHABLE}{address}: control link {lk.state.value} ({lk.reason or 'reconnecting'})"
         return ""
+
+    def _redial_gone(self, address: str, key: str, link: str | None, cmd: Any) -> str:
+        """Why a command for an address whose link was dropped (down for forget_down_s) fails at once, as it did
+        while that link was redialled: a fresh dial would make it wait out a handshake deadline on a silent host.
+        The command dials the address again (unless a dial is in flight or in its backoff); once that link is up
+        (its PeerUp tells the adapter) the next command goes through."""
+        if link is None:
+            link, why = self._connect(address, key, cmd)
+            if link is None:
+                return why  # in its backoff (UNREACHABLE), or PARKED: run again once the name resolved
+        return (f"{UNREACHABLE}{address}: its control link was down for over {self.core.cfg.control.forget_down_s:g}"
+                f" s; dialling it again")
 
     def _connect(self, address: str, key: str, cmd: Any) -> tuple[str | None, str]:
         now = self.core.clock()
@@ -167,16 +181,18 @@ class SessionHost:
     def _drop_long_down(self) -> None:
         """Stop redialling outbound links down for [control] forget_down_s to addresses the adapter did not ask to
         keep: a source gone for good (a scaled-down pod, a new address after a restart) would otherwise cost a dial
-        a second for as long as this worker runs.  A later pull naming the address dials it afresh."""
+        a second for as long as this worker runs.  A later command naming the address fails at once and dials it
+        again (_redial_gone)."""
         ctl, after_s = self.core.ctl, self.core.cfg.control.forget_down_s
         for link, key in self.peers.long_down(self.core.clock(), after_s):
             lk = ctl.link(link)
             if lk is not None and lk.state is LinkState.UP:
-                continue  # linked again; its LinkUp, read next turn, takes it out of down_since
+                continue  # not expected: a LinkUp is handled in the turn that polled it, before this tick
             self.core.counters["links_dropped_down"] += 1
-            log.info("control link to %s down for over %g s: no longer redialled (a later pull dials afresh)", key,
-                     after_s)
+            log.info("control link to %s down for over %g s: no longer redialled (a later pull naming it fails at "
+                     "once and dials it again)", key, after_s)
             self.peers.forget(link)
+            self.peers.dropped(key)
             ctl.disconnect(link)
             s = self.sessions.get(link)
             if s is not None:  # none expected: a session on it closed when it went down

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import time
 
 import numpy as np
@@ -47,14 +48,14 @@ LOST_LINE = re.compile(r"control link \S+ \(.*\) down: heartbeat lost")
 class Node:
     """One worker, its region (seeded bytes), its admin socket and its log file."""
 
-    def __init__(self, name: str, prefix: str, tmp_path, seed: int, settings: dict | None = None):
+    def __init__(self, name: str, prefix: str, tmp_path, seed: int, settings: dict | None = None, port: int = 0):
         self.name = name
         self.admin = str(tmp_path / f"{name}.admin")
         self.log_path = tmp_path / f"{name}.log"
         self.region = KVRegion.create(f"{prefix}{name}", BLOCKS, BLOCK_BYTES)
         self.region.array()[:] = np.random.default_rng(seed).integers(0, 256, (BLOCKS, BLOCK_BYTES), dtype=np.uint8)
         self._log = open(self.log_path, "wb")
-        args = ["--port", "0", "--admin", self.admin]
+        args = ["--port", str(port), "--admin", self.admin]
         if settings is not None:
             args += ["--settings-json", json.dumps(settings)]
         self.client = WorkerClient(name, args=args, env=ENV, stderr=self._log)
@@ -278,25 +279,28 @@ def test_a_killed_peer_is_declared_lost_at_once(pair):
 
 FORGET_S = 2.0  # the consumer's [control] forget_down_s in the next test (default 60 s)
 REDIAL_S = 1.0  # [control] reconnect_max_s: a DOWN link is redialled at most this far apart
+BACKOFF_MAX_S = 5.0  # an address whose dial failed is dialled again after at most this (worker/peers.py)
 
 
 @pytest.mark.parametrize("consumer_settings", [{"control": {"forget_down_s": FORGET_S}}])
-def test_a_peer_gone_for_good_is_redialled_for_forget_down_s_then_no_more(pair):
-    """A source that never comes back (SIGKILLed; a scaled-down pod): the consumer redials its address, a refused
+def test_a_peer_gone_for_good_is_redialled_for_forget_down_s_then_only_when_named(pair, shm_prefix, tmp_path):
+    """A source that does not come back (SIGKILLed; a scaled-down pod): the consumer redials its address, a refused
     dial at most reconnect_max_s apart, for [control] forget_down_s after the link went down, then drops the link
-    (counted, ``links_down`` back to 0) and dials it no more.  A later pull naming the address dials it afresh and
-    fails at once."""
+    (counted, ``links_down`` back to 0) and dials it no more on its own.  A later pull naming the address fails at
+    once, as it did while the link was redialled, and dials it again; a worker restarted on that address is pulled
+    from at the next pulls, the first once that dial linked."""
     prod, cons = pair
     jobs = Jobs()
     assert jobs.pd(prod, cons, "warm").success
+    port = int(prod.address.rsplit(":", 1)[1])
     t0 = time.monotonic()  # before the kill: the link went down after it, so it may not be dropped before t0 + FORGET_S
     prod.signal(signal.SIGKILL)
     assert prod.client.proc.wait(5) == -signal.SIGKILL
     wait_for("the consumer declares the killed producer lost", lambda: cons.control()["connection_closed"] == 1,
              timeout_s=CLOSED_S + SLACK_S, every_s=0.01)
     assert cons.status()["links_down"] == 1
-    took = wait_for("the link is dropped", lambda: cons.status()["counters"].get("links_dropped_down", 0) == 1,
-                    timeout_s=FORGET_S + TICK_S + SLACK_S, every_s=0.05)
+    wait_for("the link is dropped", lambda: cons.status()["counters"].get("links_dropped_down", 0) == 1,
+             timeout_s=FORGET_S + TICK_S + SLACK_S, every_s=0.05)
     dropped_after = time.monotonic() - t0
     st = cons.status()
     assert st["links_down"] == 0 and st["sessions"] == [], st["sessions"]
@@ -306,12 +310,50 @@ def test_a_peer_gone_for_good_is_redialled_for_forget_down_s_then_no_more(pair):
     time.sleep(2 * REDIAL_S + 0.5)
     assert cons.control()["connect_refused"] == refused, "a dropped link was redialled"
 
-    keys = keys_for("after", 4)
     t1 = time.monotonic()
-    lj = jobs.load(cons, prod, "after", keys, rows_for("after", 4)[1])
+    lj = jobs.load(cons, prod, "after", keys_for("after", 4), rows_for("after", 4)[1])
     got = cons.collect({lj}, timeout_s=CLOSED_S + SLACK_S)[lj]
-    assert not got.success and "unreachable" in got.reason, got.reason
-    assert cons.control()["connect_refused"] == refused + 1, "a later pull did not dial afresh (or dialled again)"
+    failed_after = time.monotonic() - t1
+    assert not got.success and "unreachable" in got.reason and "dialling it again" in got.reason, got.reason
+    wait_for("the pull dials the address again", lambda: cons.control()["connect_refused"] == refused + 1,
+             timeout_s=SLACK_S, every_s=0.01)
+
+    # a silent host there now (TCP accepted by the kernel, never a greeting): pulls still fail at once, none waits
+    # on the dial's handshake deadline
+    with socket.socket() as silent:
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind(("127.0.0.1", port))
+        silent.listen(8)
+        quick = []
+        for i in range(3):
+            time.sleep(0.3)  # past the refused dial's backoff (0.2 s) for the first; the dial in flight for the rest
+            t = time.monotonic()
+            lj = jobs.load(cons, prod, f"silent-{i}", keys_for(f"silent-{i}", 4), rows_for(f"silent-{i}", 4)[1])
+            got = cons.collect({lj}, timeout_s=CLOSED_S + SLACK_S)[lj]
+            quick.append(time.monotonic() - t)
+            assert not got.success and "dialling it again" in got.reason, got.reason
+        assert max(quick) < CLOSED_S + SLACK_S, quick
+
+    back = Node("back", shm_prefix, tmp_path, seed=1, port=port)  # restarted on the address the pulls name
+    try:
+        assert back.address == prod.address
+        t2, tries, slowest = time.monotonic(), 0, 0.0
+        while True:
+            t = time.monotonic()
+            ld = jobs.pd(back, cons, f"back-{tries}")
+            if ld.success:
+                break
+            slowest = max(slowest, time.monotonic() - t)
+            assert "unreachable" in ld.reason, ld.reason
+            tries += 1
+            assert time.monotonic() - t2 < BACKOFF_MAX_S + SLACK_S, f"not pulled from after {tries} tries"
+            time.sleep(0.05)
+        served_after = time.monotonic() - t2
+        assert slowest < CLOSED_S + SLACK_S, f"a pull to the gone address waited {slowest:.2f} s"
+    finally:
+        assert back.close() == 0
     print(f"\npeer gone for good: {refused} refused redial(s), then dropped {dropped_after:.2f} s after the kill "
-          f"(forget_down_s {FORGET_S:g} s; {took:.2f} s after it was declared lost); a later pull failed after "
-          f"{time.monotonic() - t1:.3f} s")
+          f"(forget_down_s {FORGET_S:g} s); a later pull failed after {failed_after:.3f} s and dialled once; "
+          f"with a silent host there, pulls failed after {', '.join(f'{q:.3f}' for q in quick)} s; "
+          f"restarted on the address: served after {served_after:.2f} s ({tries} pull(s) failed at once before, "
+          f"slowest {slowest:.3f} s)")

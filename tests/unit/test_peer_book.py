@@ -60,3 +60,23 @@ def test_a_link_that_came_up_again_and_went_down_later_is_scanned_after_older_on
     b.went_down("out-1", 140.0)
     assert list(b.down_since) == ["out-2", "out-1"]
     assert b.long_down(185.0, AFTER_S) == [("out-2", "10.0.0.1:5710")]
+
+
+def test_a_dropped_address_is_gone_until_a_link_to_it_comes_up():
+    b = book("out-1")
+    b.went_down("out-1", 100.0)
+    b.forget("out-1")
+    b.dropped("10.0.0.0:5710")
+    assert list(b.gone) == ["10.0.0.0:5710"]
+    b.add("10.0.0.0:5710", "out-2")  # a command named it: dialled again
+    assert "10.0.0.0:5710" in b.gone  # a dial is not a link: still failed at once until it is up
+    b.came_up("out-2")
+    assert not b.gone and b.down_since == {}
+
+
+def test_the_gone_addresses_are_bounded_oldest_forgotten_first():
+    b = PeerBook(gone_max=3)
+    for i in range(5):
+        b.dropped(f"h{i}:1")
+    b.dropped("h2:1")  # dropped again: the newest
+    assert list(b.gone) == ["h3:1", "h4:1", "h2:1"]

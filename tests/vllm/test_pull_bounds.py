@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from p2pworker.admin import query
 from tests.helpers.vllm_engines import Engine, LookupResult, ReqContext, pull, run_until, until_answered
 from vllm_adapter.hints import FAILED_S
 
@@ -187,6 +188,64 @@ def test_a_source_that_died_is_known_down_then_pulled_from_again_as_soon_as_the_
         assert relinked_s <= RELINKED_S, f"the puller knew the restarted source after {relinked_s:.2f} s"
         print(f"dead source: the pull failed after {failed_s:.3f} s; restarted: known up again {relinked_s:.2f} s "
               f"after its new worker served, and the next pull was served")
+    finally:
+        for e in (reader, owner):
+            e.close()
+
+
+FORGET_S = 2.0  # the puller's [control] forget_down_s in the next test (60 s by default)
+
+
+def test_a_source_restarted_after_the_puller_stopped_redialling_it_is_pulled_from_again(free_port):
+    """A source whose worker stays dead past the puller's [control] forget_down_s: the puller's worker stops
+    redialling it.  Restarted on the same port, it is found again by the requests that name it, not by a redial:
+    each pull until then recomputes at once (none waits), the worker's fresh dial links (PeerUp), and a later pull
+    is served, within FAILED_S (the puller's hint) of the restart."""
+    # no tier-poll thread: the source's tier restarts its worker only when this test steps it
+    owner = Engine("gnown", free_port(), num_chunks=16, engine_extra={"tier_poll_interval_s": 0})
+    reader = Engine("gnrd", free_port(), num_chunks=8, worker_settings={"control": {"forget_down_s": FORGET_S}})
+    try:
+        address = owner.tier.worker_address
+        owner.store("own-1", [710, 711, 712, 713])
+        run_until([owner], owner.idle)
+        ctx = pull(reader, address, "gn-1")
+        assert until_answered(reader, [owner], ctx, [710, 711, 712, 713], timeout_s=30) == [LookupResult.HIT] * 4
+        reader.check_loaded(ctx, [710, 711, 712, 713])
+        old = owner.tier.supervisor.client.proc.pid
+        os.kill(old, signal.SIGKILL)
+        ctx = pull(reader, address, "gn-2")
+        assert until_answered(reader, [], ctx, [720, 721, 722, 723], timeout_s=10) == [LookupResult.MISS] * 4
+        with reader.lock:
+            reader.mgr.on_request_finished(ctx)
+        admin = reader.tier.supervisor.client.admin_path  # the puller's worker, as `p2pworker inspect` asks it
+        deadline = time.monotonic() + FORGET_S + 3.0
+        while query(admin)["counters"].get("links_dropped_down", 0) < 1:  # it stopped redialling the source
+            assert time.monotonic() < deadline, "the puller's worker still redials the dead source"
+            time.sleep(0.05)
+        assert query(admin)["links_down"] == 0
+        run_until([owner], lambda: owner.tier.supervisor.serving and owner.tier.supervisor.client.proc.pid != old)
+        owner.store("own-3", [730, 731, 732, 733])
+        run_until([owner], owner.idle)
+        back, slowest, n = time.monotonic(), 0.0, 0
+        while True:
+            n += 1
+            ctx = pull(reader, address, f"gn-3-{n}")
+            t0 = time.monotonic()
+            got = until_answered(reader, [owner], ctx, [730, 731, 732, 733], timeout_s=30)
+            if got == [LookupResult.HIT] * 4:
+                break
+            slowest = max(slowest, time.monotonic() - t0)
+            with reader.lock:
+                reader.mgr.on_request_finished(ctx)
+            assert time.monotonic() - back < FAILED_S + 2.0, f"not pulled from {FAILED_S:g} s after its restart"
+            until = time.monotonic() + 0.25
+            run_until([reader, owner], lambda: time.monotonic() > until)  # both step on (vLLM 0.32 reads the tier's
+            # worker events on steps only), as engines computing their requests do
+        served_s = time.monotonic() - back
+        reader.check_loaded(ctx, [730, 731, 732, 733])
+        assert slowest < 1.0, f"a pull to the restarted source recomputed after {slowest:.2f} s"
+        print(f"source restarted after the puller dropped its link: served {served_s:.2f} s after the restart "
+              f"({n - 1} pull(s) recomputed before, each within {slowest:.3f} s)")
     finally:
         for e in (reader, owner):
             e.close()
