@@ -74,7 +74,7 @@ class _WorkerState:
             ("p2pworker_sessions", "Sessions (one per control link)", len(w.sessions)),
             ("p2pworker_command_ring_depth", "Commands waiting", w.cmd.depth()),
             ("p2pworker_event_ring_depth", "Events waiting", w.evt.depth()),
-            ("p2pworker_links_down", "Outbound control links down, redialled until linked again or dropped",
+            ("p2pworker_links_down", "Outbound control links down after they were up, not yet dropped",
              len(w.host.peers.down_since)),
         ):
             g = GaugeMetricFamily(name, doc, labels=LABELS)

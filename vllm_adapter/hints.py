@@ -18,11 +18,11 @@ other requests' ready chunks, before it failed; asking first allocates nothing, 
 pulls cost the puller's cache nothing.  A source that could not be reached at all (``down``) is not even asked: its
 pulls recompute at once until FAILED_S has passed or our worker linked to it again (its PeerUp names the address: a
 restarted source is asked again as soon as the link redialled, at most ``reconnect_max_s`` apart, or, once the worker
-stopped redialling it after ``forget_down_s``, as soon as a pull's fresh dial linked); then they ask first until it
-answers.  A hint picks the path, never
-an answer (but for ``down``: MISS, a recompute), so a stale hint costs time, not correctness.  Bounded
-(``HINT_MAX`` entries, oldest dropped first), per (source, key) and per source, fed by the loads' and the lookups'
-outcomes.
+stopped redialling it after ``forget_down_s``, as soon as the dial of a request naming it linked: its open-ahead
+OpenSession, at most one per OPEN_AHEAD_S, or its ask once FAILED_S passed); then they ask first until it answers.
+A hint picks the path, never an answer (but for ``down``: MISS, a recompute), so a stale hint costs time, not
+correctness.  Bounded (``HINT_MAX`` entries, oldest dropped first), per (source, key) and per source, fed by the
+loads' and the lookups' outcomes.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class SessionHost:
         key = addr_key(address)
         link = self.peers.links.get(key)
         if key in self.peers.gone:
-            return None, self._redial_gone(address, key, link, cmd)
+            return None, self._redial_gone(address, key, link)
         if link is not None:
             why = self._unusable(address, key, link)
             if why:
@@ -99,15 +99,21 @@ class SessionHost:
             return f"{UNREACHABLE}{address}: control link {lk.state.value} ({lk.reason or 'reconnecting'})"
         return ""
 
-    def _redial_gone(self, address: str, key: str, link: str | None, cmd: Any) -> str:
+    def _redial_gone(self, address: str, key: str, link: str | None) -> str:
         """Why a command for an address whose link was dropped (down for forget_down_s) fails at once, as it did
-        while that link was redialled: a fresh dial would make it wait out a handshake deadline on a silent host.
-        The command dials the address again (unless a dial is in flight or in its backoff); once that link is up
-        (its PeerUp tells the adapter) the next command goes through."""
+        while that link was redialled: a fresh dial would make it wait out a handshake deadline on a silent host, or
+        a name lookup.  The address is dialled again (unless a dial is in flight or in its backoff); once that link
+        is up (its PeerUp tells the adapter) the next command goes through."""
+        lk = self.core.ctl.link(link) if link is not None else None
+        if link is not None and (lk is None or lk.state is LinkState.FAILED):
+            self.peers.forget(link)  # a dial the transport gave up on: not one in flight
+            self.core.ctl.disconnect(link)
+            link = None
         if link is None:
-            link, why = self._connect(address, key, cmd)
-            if link is None:
-                return why  # in its backoff (UNREACHABLE), or PARKED: run again once the name resolved
+            # the dial's own command, not the caller's: a host name parks it for the lookup, the caller fails now
+            link, why = self._connect(address, key, api.OpenSession(address, keep=False))
+            if link is None and why != PARKED:
+                return why  # in its backoff: "...; retrying in N s"
         return (f"{UNREACHABLE}{address}: its control link was down for over {self.core.cfg.control.forget_down_s:g}"
                 f" s; dialling it again")
 

@@ -27,7 +27,7 @@ def status(w: Core, host: Roster, switch: LaneSwitch) -> dict:
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         # listed peers (OpenSession keep): re-opened whenever their session ends
         "kept_peers": sorted(host.peers.kept),
-        # outbound links down after they were up: redialled until linked again, or dropped after forget_down_s
+        # outbound links down after they were up, not yet dropped (forget_down_s; a kept peer's never)
         "links_down": len(host.peers.down_since),
         "jobs_in_flight": w.reporter.open_jobs,
         "transfers_in_flight": data.in_flight() if data else 0,

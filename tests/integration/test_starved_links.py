@@ -154,11 +154,18 @@ def consumer_settings() -> dict | None:
 
 
 @pytest.fixture
-def pair(shm_prefix, tmp_path, consumer_settings):
+def producer_port(request, free_port) -> int:
+    """The producer's control port: 0 (any free one), or with ``indirect`` parametrization "fixed", a port outside
+    the ephemeral range, so that a test can bind it again after the producer died (nothing else takes it meanwhile)."""
+    return free_port() if getattr(request, "param", None) == "fixed" else 0
+
+
+@pytest.fixture
+def pair(shm_prefix, tmp_path, consumer_settings, producer_port):
     """(producer, consumer): the consumer dials the producer with its first load.  Both must exit 0 unless killed."""
     nodes: list[Node] = []
     try:
-        nodes.append(Node("prod", shm_prefix, tmp_path, seed=1))
+        nodes.append(Node("prod", shm_prefix, tmp_path, seed=1, port=producer_port))
         nodes.append(Node("cons", shm_prefix, tmp_path, seed=2, settings=consumer_settings))
         yield nodes[0], nodes[1]
     finally:
@@ -282,6 +289,7 @@ REDIAL_S = 1.0  # [control] reconnect_max_s: a DOWN link is redialled at most th
 BACKOFF_MAX_S = 5.0  # an address whose dial failed is dialled again after at most this (worker/peers.py)
 
 
+@pytest.mark.parametrize("producer_port", ["fixed"], indirect=True)
 @pytest.mark.parametrize("consumer_settings", [{"control": {"forget_down_s": FORGET_S}}])
 def test_a_peer_gone_for_good_is_redialled_for_forget_down_s_then_only_when_named(pair, shm_prefix, tmp_path):
     """A source that does not come back (SIGKILLed; a scaled-down pod): the consumer redials its address, a refused

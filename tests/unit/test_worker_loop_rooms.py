@@ -4,15 +4,18 @@ outbox and command table (p2pworker/worker/)."""
 from __future__ import annotations
 
 import collections
+import threading
 import types
 import typing
 
 import pytest
 
 from p2pworker import api
+from p2pworker.control import LinkState
 from p2pworker.errors import MessageTooLarge, P2PError
 from p2pworker.protocol import messages as m
 from p2pworker.session import CloseCause, Reporter, Send, SessionClosed, State
+from p2pworker.session.client import UNREACHABLE
 from p2pworker.session.core import SessionCounters
 from p2pworker.worker.actions import ActionRunner, ReadBook
 from p2pworker.worker.commands import Commands
@@ -20,6 +23,7 @@ from p2pworker.worker.lane_host import LaneHost
 from p2pworker.worker.lanes import LANE_TIMEOUT_S, LaneLink, LaneStage, LaneSwitch
 from p2pworker.worker.outbox import EventOutbox
 from p2pworker.worker.sessions import SessionHost
+from p2pworker.worker.resolver import Resolver
 from p2pworker.worker.phase import PHASE_MOVES, PhaseError, PhaseEvent, WorkerPhase, next_phase
 from p2pworker.worker.timers import Timer
 from p2pworker.instruments import Instruments
@@ -237,7 +241,8 @@ class _FakeSession:
 def _worker(ctl):
     w = types.SimpleNamespace(ctl=ctl, data=None, clock=Clock(10.0), counters=collections.Counter(),
                               instruments=Instruments(),
-                              cfg=types.SimpleNamespace(control=types.SimpleNamespace(max_frame_bytes=1 << 20, hwm=64)))
+                              cfg=types.SimpleNamespace(control=types.SimpleNamespace(max_frame_bytes=1 << 20, hwm=64,
+                                                                                      forget_down_s=60.0)))
     w.outbox = types.SimpleNamespace(flush=lambda: None)
     # built and wired as the worker does (loop.py): each room handed the rooms it calls
     w.host = SessionHost(w)
@@ -259,6 +264,69 @@ def test_a_retired_outbound_session_drops_its_link_with_a_backoff_unless_the_pee
     assert (w.host.peers.blocked("p:1", w.clock()) is not None) is backs_off
     assert (w.host.peers.links.get("p:1") is None) is backs_off  # a lost peer's link is kept: it reconnects
     assert w.ctl.disconnected == (["out-1"] if backs_off else [])
+
+
+class _DialCtl(_Ctl):
+    """The transport as session_for uses it: connect() opens out-N links, link() knows their states."""
+
+    def __init__(self):
+        super().__init__()
+        self.dialled, self.states = [], {}
+
+    def connect(self, target, resolve=True):
+        link = f"out-{len(self.dialled) + 1}"
+        self.dialled.append(target)
+        self.states[link] = LinkState.CONNECTING
+        return link
+
+    def link(self, link):
+        state = self.states.get(link)
+        return None if state is None else types.SimpleNamespace(outbound=True, state=state, reason="gave up")
+
+
+GONE = "10.0.0.9:5710"
+
+
+def test_a_command_for_a_gone_address_fails_at_once_and_dials_it_once():
+    w = _worker(_DialCtl())
+    w.host.peers.dropped(GONE)
+    for _ in range(3):  # the first dials; the rest find that dial in flight
+        s, why = w.host.session_for(GONE, object())
+        assert s is None and why.startswith(UNREACHABLE) and "dialling it again" in why, why
+    assert w.ctl.dialled == [GONE] and w.host.peers.links[GONE] == "out-1" and not w.host.sessions
+    assert GONE in w.host.peers.gone  # until that link is up (PeerBook.came_up)
+
+
+def test_a_gone_address_in_its_backoff_fails_at_once_without_a_dial():
+    w = _worker(_DialCtl())
+    w.host.peers.dropped(GONE)
+    w.host.peers.backoff(GONE, "connection refused", w.clock())
+    s, why = w.host.session_for(GONE, object())
+    assert s is None and why.startswith(UNREACHABLE) and "retrying in" in why and w.ctl.dialled == []
+
+
+def test_a_gone_address_whose_dial_the_transport_gave_up_on_is_dialled_afresh():
+    w = _worker(_DialCtl())
+    w.ctl.states["out-9"] = LinkState.FAILED
+    w.host.peers.add(GONE, "out-9")
+    w.host.peers.dropped(GONE)
+    s, why = w.host.session_for(GONE, object())
+    assert s is None and "dialling it again" in why
+    assert w.ctl.disconnected == ["out-9"] and w.ctl.dialled == [GONE] and w.host.peers.links[GONE] == "out-1"
+
+
+def test_a_gone_host_name_fails_the_command_at_once_and_parks_only_a_dial_for_the_lookup():
+    """A name's lookup may take seconds (RESOLVE_TIMEOUT_S): the command does not wait for it; a stand-in
+    OpenSession (not kept) waits and dials once the name resolved."""
+    w = _worker(_DialCtl())
+    w.host.resolver = Resolver(w.clock, start_lookup=lambda host, port, now: types.SimpleNamespace(
+        started=now, done=threading.Event(), error=None))
+    name = "source-7.example:5710"
+    w.host.peers.dropped(name)
+    cmd = api.LoadJob(1, name, "req", [b"k"], [0])
+    s, why = w.host.session_for(name, cmd)
+    assert s is None and why.startswith(UNREACHABLE) and "dialling it again" in why, why
+    assert w.host.resolver.pending[name].cmds == [api.OpenSession(name, keep=False)] and w.ctl.dialled == []
 
 
 def test_an_unsettled_session_is_kept_until_its_reads_settle_and_its_counters_fold_once():

@@ -198,9 +198,10 @@ FORGET_S = 2.0  # the puller's [control] forget_down_s in the next test (60 s by
 
 def test_a_source_restarted_after_the_puller_stopped_redialling_it_is_pulled_from_again(free_port):
     """A source whose worker stays dead past the puller's [control] forget_down_s: the puller's worker stops
-    redialling it.  Restarted on the same port, it is found again by the requests that name it, not by a redial:
-    each pull until then recomputes at once (none waits), the worker's fresh dial links (PeerUp), and a later pull
-    is served, within FAILED_S (the puller's hint) of the restart."""
+    redialling it.  Restarted on the same port, it is found again by the requests that name it, not by a redial: a
+    request's open-ahead OpenSession (or its Done) makes the worker dial it, while each pull until that link is up
+    recomputes at once (none waits); the link's PeerUp ends the hint's "down", and a later pull is served, within
+    FAILED_S (the puller's hint, after which pulls ask again) of the restart."""
     # no tier-poll thread: the source's tier restarts its worker only when this test steps it
     owner = Engine("gnown", free_port(), num_chunks=16, engine_extra={"tier_poll_interval_s": 0})
     reader = Engine("gnrd", free_port(), num_chunks=8, worker_settings={"control": {"forget_down_s": FORGET_S}})
