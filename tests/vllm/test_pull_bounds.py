@@ -139,6 +139,20 @@ def test_a_dead_source_evicts_the_pullers_cache_once_and_then_nothing(small_one_
         reader.mgr.on_request_finished(first)
 
 
+def served_then_killed(owner: Engine, reader: Engine, ids: list[int], rid: str) -> tuple[str, int]:
+    """``reader`` pulls ``ids`` from ``owner`` (served: the chunks are the puller's now), then the owner's worker is
+    SIGKILLed.  Returns (the owner's worker address, the killed worker's pid)."""
+    address = owner.tier.worker_address
+    owner.store(f"own-{rid}", ids)
+    run_until([owner], owner.idle)
+    ctx = pull(reader, address, rid)
+    assert until_answered(reader, [owner], ctx, ids, timeout_s=30) == [LookupResult.HIT] * len(ids)
+    reader.check_loaded(ctx, ids)
+    old = owner.tier.supervisor.client.proc.pid
+    os.kill(old, signal.SIGKILL)
+    return address, old
+
+
 RELINKED_S = 1.0 + 1.0  # the puller's link redials at most reconnect_max_s (1 s) apart; a handshake; slack
 
 
@@ -151,14 +165,7 @@ def test_a_source_that_died_is_known_down_then_pulled_from_again_as_soon_as_the_
     owner = Engine("rsown", free_port(), num_chunks=16)
     reader = Engine("rsrd", free_port(), num_chunks=8)
     try:
-        address = owner.tier.worker_address
-        owner.store("own-1", [610, 611, 612, 613])
-        run_until([owner], owner.idle)
-        ctx = pull(reader, address, "rs-1")
-        assert until_answered(reader, [owner], ctx, [610, 611, 612, 613], timeout_s=30) == [LookupResult.HIT] * 4
-        reader.check_loaded(ctx, [610, 611, 612, 613])  # the chunks are the puller's now (its CPU tier: 8 rows)
-        old = owner.tier.supervisor.client.proc.pid
-        os.kill(old, signal.SIGKILL)
+        address, old = served_then_killed(owner, reader, [610, 611, 612, 613], "rs-1")
         ctx = pull(reader, address, "rs-2")
         t0 = time.monotonic()
         assert until_answered(reader, [], ctx, [620, 621, 622, 623], timeout_s=10) == [LookupResult.MISS] * 4
@@ -206,14 +213,7 @@ def test_a_source_restarted_after_the_puller_stopped_redialling_it_is_pulled_fro
     owner = Engine("gnown", free_port(), num_chunks=16, engine_extra={"tier_poll_interval_s": 0})
     reader = Engine("gnrd", free_port(), num_chunks=8, worker_settings={"control": {"forget_down_s": FORGET_S}})
     try:
-        address = owner.tier.worker_address
-        owner.store("own-1", [710, 711, 712, 713])
-        run_until([owner], owner.idle)
-        ctx = pull(reader, address, "gn-1")
-        assert until_answered(reader, [owner], ctx, [710, 711, 712, 713], timeout_s=30) == [LookupResult.HIT] * 4
-        reader.check_loaded(ctx, [710, 711, 712, 713])
-        old = owner.tier.supervisor.client.proc.pid
-        os.kill(old, signal.SIGKILL)
+        address, old = served_then_killed(owner, reader, [710, 711, 712, 713], "gn-1")
         ctx = pull(reader, address, "gn-2")
         assert until_answered(reader, [], ctx, [720, 721, 722, 723], timeout_s=10) == [LookupResult.MISS] * 4
         with reader.lock:
