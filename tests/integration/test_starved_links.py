@@ -339,7 +339,9 @@ def test_a_peer_gone_for_good_is_redialled_for_forget_down_s_then_only_when_name
             lj = jobs.load(cons, prod, f"silent-{i}", keys_for(f"silent-{i}", 4), rows_for(f"silent-{i}", 4)[1])
             got = cons.collect({lj}, timeout_s=CLOSED_S + SLACK_S)[lj]
             quick.append(time.monotonic() - t)
-            assert not got.success and "dialling it again" in got.reason, got.reason
+            # dialling (the first; the rest while that dial waits for a greeting), or in the backoff of a dial that
+            # ended early on a host that stalled us: failed at once either way
+            assert not got.success and ("dialling it again" in got.reason or "retrying in" in got.reason), got.reason
         assert max(quick) < CLOSED_S + SLACK_S, quick
 
     back = Node("back", shm_prefix, tmp_path, seed=1, port=port)  # restarted on the address the pulls name
