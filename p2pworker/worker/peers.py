@@ -70,6 +70,9 @@ class PeerBook:
         self.down_since.setdefault(link, now)
 
     def came_up(self, link: str) -> None:
+        """Outbound ``link`` is UP (again): a later down is a reconnect, not a first contact; its address is no longer
+        down or gone."""
+        self.was_up.add(link)
         self.down_since.pop(link, None)
         key = self.addr_of.get(link)
         if key is not None:

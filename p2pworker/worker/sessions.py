@@ -106,8 +106,7 @@ class SessionHost:
         is up (its PeerUp tells the adapter) the next command goes through."""
         lk = self.core.ctl.link(link) if link is not None else None
         if link is not None and (lk is None or lk.state is LinkState.FAILED):
-            self.peers.forget(link)  # a dial the transport gave up on: not one in flight
-            self.core.ctl.disconnect(link)
+            self._drop_link(link, "control link failed")  # a dial the transport gave up on: not one in flight
             link = None
         if link is None:
             # the dial's own command, not the caller's: a host name parks it for the lookup, the caller fails now
@@ -137,13 +136,17 @@ class SessionHost:
     def forget_link(self, link: str, key: str, close_reason: str, backoff_reason: str) -> None:
         """Drop an outbound link the transport gave up on (or that never came up): its session closes (what waits on
         it fails), and the next command for ``key`` opens a fresh link only after the backoff."""
+        self._drop_link(link, close_reason)
+        self.peers.backoff(key, backoff_reason, self.core.clock())
+
+    def _drop_link(self, link: str, close_reason: str) -> None:
+        """Forget outbound ``link`` and hang it up; a session still on it closes (what waits on it fails)."""
         self.peers.forget(link)
         self.core.ctl.disconnect(link)
         s = self.sessions.get(link)
         if s is not None:
             self.run(None, s, s.close(close_reason))
             self.retire(s)
-        self.peers.backoff(key, backoff_reason, self.core.clock())
 
     def resolved(self) -> bool:
         """Run the commands whose peer's name resolved (or fail them with the resolver's error or its time-out)."""
@@ -189,21 +192,14 @@ class SessionHost:
         keep: a source gone for good (a scaled-down pod, a new address after a restart) would otherwise cost a dial
         a second for as long as this worker runs.  A later command naming the address fails at once and dials it
         again (_redial_gone)."""
-        ctl, after_s = self.core.ctl, self.core.cfg.control.forget_down_s
+        after_s = self.core.cfg.control.forget_down_s
+        # none of these is UP: a LinkUp takes its link out of down_since in the turn that polled it, before this tick
         for link, key in self.peers.long_down(self.core.clock(), after_s):
-            lk = ctl.link(link)
-            if lk is not None and lk.state is LinkState.UP:
-                continue  # not expected: a LinkUp is handled in the turn that polled it, before this tick
             self.core.counters["links_dropped_down"] += 1
             log.info("control link to %s down for over %g s: no longer redialled (a later pull naming it fails at "
                      "once and dials it again)", key, after_s)
-            self.peers.forget(link)
+            self._drop_link(link, f"control link down for over {after_s:g} s")  # its session closed when it went down
             self.peers.dropped(key)
-            ctl.disconnect(link)
-            s = self.sessions.get(link)
-            if s is not None:  # none expected: a session on it closed when it went down
-                self.run(None, s, s.close(f"control link down for over {after_s:g} s"))
-                self.retire(s)
 
     # ------------------------------------------------------------ retiring
     def retire(self, s: Session) -> None:
@@ -274,7 +270,6 @@ class SessionHost:
             s = self.sessions[ev.link] = self.new_session(ev.link, ev.node_id)
         s.expected_peer_id = ev.node_id
         if ev.outbound:
-            self.peers.was_up.add(ev.link)
             self.peers.came_up(ev.link)
             self.run(ev.link, s, s.start())
         # An inbound reconnect replaces its old link inside the control transport without a LinkDown:
